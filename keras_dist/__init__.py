@@ -1,0 +1,85 @@
+"""keras_dist: the tf.distribute API for Keras 3 on JAX.
+
+Port a tf.distribute program by replacing ``tf.distribute`` with
+``keras_dist``:
+
+>>> import keras, keras_dist as kd
+>>> strategy = kd.MirroredStrategy()
+>>> with strategy.scope():
+...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+"""
+
+from keras_dist._backend import ensure_jax_backend
+
+ensure_jax_backend()
+
+from keras_dist import config as config  # noqa: E402
+from keras_dist import experimental as experimental  # noqa: E402
+from keras_dist import nn as nn  # noqa: E402
+from keras_dist._context import experimental_set_strategy as experimental_set_strategy  # noqa: E402
+from keras_dist._context import get_cross_replica_context as get_cross_replica_context  # noqa: E402
+from keras_dist._context import get_replica_context as get_replica_context  # noqa: E402
+from keras_dist._context import get_strategy as get_strategy  # noqa: E402
+from keras_dist._context import has_strategy as has_strategy  # noqa: E402
+from keras_dist._context import in_cross_replica_context as in_cross_replica_context  # noqa: E402
+from keras_dist._cross_device_ops import CrossDeviceOps as CrossDeviceOps  # noqa: E402
+from keras_dist._cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce  # noqa: E402
+from keras_dist._cross_device_ops import NcclAllReduce as NcclAllReduce  # noqa: E402
+from keras_dist._cross_device_ops import ReductionToOneDevice as ReductionToOneDevice  # noqa: E402
+from keras_dist._grad import value_and_grad as value_and_grad  # noqa: E402
+from keras_dist._input import DistributedDataset as DistributedDataset  # noqa: E402
+from keras_dist._input import DistributedIterator as DistributedIterator  # noqa: E402
+from keras_dist._input import InputContext as InputContext  # noqa: E402
+from keras_dist._input import InputOptions as InputOptions  # noqa: E402
+from keras_dist._input import InputReplicationMode as InputReplicationMode  # noqa: E402
+from keras_dist._keras_hooks import install_optimizer_hook  # noqa: E402
+from keras_dist._mirrored import MirroredStrategy as MirroredStrategy  # noqa: E402
+from keras_dist._mirrored import OneDeviceStrategy as OneDeviceStrategy  # noqa: E402
+from keras_dist._reduce_op import ReduceOp as ReduceOp  # noqa: E402
+from keras_dist._replica_context import ReplicaContext as ReplicaContext  # noqa: E402
+from keras_dist._run_options import RunOptions as RunOptions  # noqa: E402
+from keras_dist._strategy import Strategy as Strategy  # noqa: E402
+from keras_dist._strategy import StrategyExtended as StrategyExtended  # noqa: E402
+from keras_dist._values import DistributedValues as DistributedValues  # noqa: E402
+from keras_dist._values import Mirrored as Mirrored  # noqa: E402
+from keras_dist._values import PerReplica as PerReplica  # noqa: E402
+from keras_dist._variables import MirroredVariable as MirroredVariable  # noqa: E402
+from keras_dist._variables import SyncOnReadVariable as SyncOnReadVariable  # noqa: E402
+
+install_optimizer_hook()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedIterator",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "Mirrored",
+    "MirroredStrategy",
+    "MirroredVariable",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "RunOptions",
+    "Strategy",
+    "StrategyExtended",
+    "SyncOnReadVariable",
+    "config",
+    "experimental",
+    "experimental_set_strategy",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "nn",
+    "value_and_grad",
+]

@@ -1,0 +1,115 @@
+"""The default strategy: what ``get_strategy()`` returns outside any scope.
+
+It runs functions directly on the default device with one replica, creates
+plain Keras variables, and treats reductions as identities, so code written
+for a strategy also runs without one.
+"""
+
+import jax
+
+from keras_dist import _context
+from keras_dist._devices import device_name
+from keras_dist._reduce_op import ReduceOp
+from keras_dist._replica_context import ReplicaContext
+from keras_dist._strategy import Strategy
+from keras_dist._strategy import StrategyExtended
+from keras_dist._strategy import require_cross_replica
+from keras_dist._values import DistributedValues
+from keras_dist.experimental._value_context import ValueContext
+
+
+class _DefaultExtended(StrategyExtended):
+    def __init__(self, container_strategy):
+        super().__init__(container_strategy)
+        self._default_replica_context = ReplicaContext(container_strategy, 0, _is_default=True)
+
+    @property
+    def _devices(self):
+        return (jax.devices()[0],)
+
+    @property
+    def worker_devices(self) -> tuple:
+        return tuple(device_name(d) for d in self._devices)
+
+    @property
+    def parameter_devices(self) -> tuple:
+        return self.worker_devices
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        frame = _context.current_frame()
+        if frame.replica_context is self._default_replica_context:
+            return fn(*args, **kwargs)
+        with _context.push(_context.Frame(frame.strategy, self._default_replica_context)):
+            return fn(*args, **kwargs)
+
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        ReduceOp.from_value(reduce_op)
+        require_cross_replica(self._container_strategy(), "reduce_to")
+        return _only_value(value)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        ReduceOp.from_value(reduce_op)
+        require_cross_replica(self._container_strategy(), "batch_reduce_to")
+        return [_only_value(v) for v, _ in value_destination_pairs]
+
+    def broadcast_to(self, tensor, destinations):
+        require_cross_replica(self._container_strategy(), "broadcast_to")
+        return tensor
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        require_cross_replica(self._container_strategy(), "update")
+        return fn(var, *args, **(kwargs or {}))
+
+    def _reduce(self, reduce_op, value, axis):
+        value = _only_value(value)
+        if axis is None:
+            return value
+        value = jax.numpy.asarray(value)
+        if reduce_op is ReduceOp.SUM:
+            return jax.numpy.sum(value, axis=axis)
+        return jax.numpy.mean(value, axis=axis)
+
+    def _gather(self, value, axis):
+        return _only_value(value)
+
+    def _distribute_values_from_function(self, value_fn):
+        return value_fn(ValueContext(0, 1))
+
+
+def _only_value(value):
+    if isinstance(value, DistributedValues):
+        if len(value.values) != 1:
+            raise ValueError(
+                "The default strategy has one replica but received a distributed value "
+                f"with {len(value.values)} components. Received: {value!r}"
+            )
+        return value.values[0]
+    return value
+
+
+class _DefaultStrategy(Strategy):
+    """The strategy in effect outside any scope: one replica, no distribution."""
+
+    def __init__(self):
+        super().__init__(_DefaultExtended(self))
+
+    def __repr__(self):
+        return "DefaultStrategy()"
+
+
+_DEFAULT = None
+
+
+def default_strategy() -> Strategy:
+    """The process-wide default strategy."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = _DefaultStrategy()
+    return _DEFAULT
+
+
+def is_default_strategy(strategy) -> bool:
+    return isinstance(strategy, _DefaultStrategy)
+
+

@@ -1,0 +1,1 @@
+"""The replica engines: compiled (``jax.jit`` over ``jax.shard_map``) and eager (threads)."""

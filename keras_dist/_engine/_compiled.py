@@ -1,0 +1,372 @@
+"""The compiled engine: ``fn`` traced once per input signature under ``shard_map``.
+
+``strategy.run(fn, args)`` becomes one call of a compiled program
+``jax.jit(jax.shard_map(body, mesh, ...))``:
+
+* ``PerReplica`` arguments enter stacked ``(num_replicas, ...)`` and split on
+  the ``"replica"`` axis, so each replica sees its own component; other arrays
+  enter replicated; anything else is a constant of the trace (and part of the
+  cache key).
+* Every variable the strategy created is threaded through as explicit state
+  (Keras's ``StatelessScope``), donated, and written back after the call.
+  Variables created during the first trace (an optimizer building its slots),
+  or read although created outside the scope, make the engine trace once more
+  with them included, as ``tf.function`` does when a first call creates
+  variables.
+* ``shard_map`` runs with ``check_vma=False``: gradients taken inside a replica
+  are that replica's own, as in TF, and the optimizer's ``merge_call`` sums
+  them once. (With ``check_vma=True`` JAX already sums the gradient of a
+  replicated input over replicas, and an explicit reduction would count it N
+  times.)
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from keras_dist import _context
+from keras_dist._cross_device_ops import AXIS
+from keras_dist._keras_hooks import KerasVariable
+from keras_dist._keras_hooks import RecordingScope
+from keras_dist._keras_hooks import initialize_pending_variables
+from keras_dist._keras_hooks import pending_variables
+from keras_dist._reduce_op import ReduceOp
+from keras_dist._replica_context import ReplicaContext
+from keras_dist._values import DistributedValues
+from keras_dist._values import Mirrored
+from keras_dist._values import PerReplica
+
+_MAX_TRACES_PER_SIGNATURE = 4
+_CACHE_SIZE = 64
+_ARRAY = object()  # marks an array slot in the output layout
+
+
+def _is_input_leaf(x):
+    return x is None or isinstance(x, (DistributedValues, KerasVariable))
+
+
+def _static_key(leaf):
+    if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
+        return (type(leaf), leaf)
+    return (type(leaf), id(leaf))
+
+
+class _TracedValue:
+    """This replica's component of a distributed value inside a compiled merge_call."""
+
+    def __init__(self, local, engine):
+        self.local = local
+        self.engine = engine
+
+    def all_components(self) -> tuple:
+        gathered = lax.all_gather(self.local, AXIS)
+        return tuple(gathered[i] for i in range(self.engine.num_replicas))
+
+
+class _Record:
+    """What one trace found out: outputs, assignments, unknown variables."""
+
+    def __init__(self):
+        self.assigned: dict = {}
+        self.unmapped: dict = {}
+        self.out = None
+
+
+class CompiledReplica:
+    """The replica side of a trace: collectives and merge_call for ``ReplicaContext``."""
+
+    compiled = True
+
+    def __init__(self, extended):
+        self._extended = extended
+        self.num_replicas = extended._num_local_replicas
+        self.replica_context = None
+
+    @property
+    def _cross_device_ops(self):
+        return self._extended._cross_device_ops
+
+    def merge_call(self, replica_context, merge_fn, args, kwargs):
+        strategy = self._extended._container_strategy()
+
+        def wrap(x):
+            if isinstance(x, jax.core.Tracer):
+                return PerReplica(None, _traced=_TracedValue(x, self), _validate=False)
+            return x
+
+        args, kwargs = jax.tree_util.tree_map(wrap, (args, kwargs), is_leaf=_is_input_leaf)
+        with _context.push(_context.Frame(strategy, None, engine=self)):
+            result = merge_fn(strategy, *args, **kwargs)
+        return jax.tree_util.tree_map(_local_part, result, is_leaf=_is_input_leaf)
+
+    def all_reduce(self, reduce_op, value):
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        leaves = [jnp.asarray(x) for x in leaves]
+        reduced = self._cross_device_ops._reduce_in_replica(reduce_op, leaves, self.num_replicas)
+        return jax.tree_util.tree_unflatten(treedef, reduced)
+
+    def all_gather(self, value, axis):
+        return jax.tree_util.tree_map(
+            lambda x: lax.all_gather(jnp.asarray(x), AXIS, axis=axis, tiled=True), value
+        )
+
+    def aggregate_sync_on_read(self, variable, local):
+        aggregation = variable.aggregation
+        if aggregation == "only_first_replica":
+            return lax.all_gather(local, AXIS)[0]
+        op = ReduceOp.from_variable_aggregation(aggregation)
+        return self._cross_device_ops._reduce_in_replica(op, [local], self.num_replicas)[0]
+
+    def reduce_traced(self, reduce_op, values) -> list:
+        """``batch_reduce_to`` inside a merge_call: one fused reduction for all values."""
+        results = [None] * len(values)
+        positions, locals_ = [], []
+        for i, value in enumerate(values):
+            if isinstance(value, DistributedValues):
+                positions.append(i)
+                locals_.append(_local_part(value))
+            else:
+                results[i] = self._extended._reduce_non_distributed(reduce_op, value)
+        reduced = self._cross_device_ops._reduce_in_replica(reduce_op, locals_, self.num_replicas)
+        for i, r in zip(positions, reduced):
+            results[i] = Mirrored(None, _traced=_TracedValue(r, self), _validate=False)
+        return results
+
+    def reduce_with_axis(self, reduce_op, value, axis):
+        local = _local_part(value)
+        if axis is None:
+            return self.reduce_traced(reduce_op, [value])[0]._local()
+        total = lax.psum(jnp.sum(local, axis=axis), AXIS)
+        if reduce_op is ReduceOp.SUM:
+            return total
+        return total / (jnp.shape(local)[axis] * self.num_replicas)
+
+    def gather_traced(self, value, axis):
+        return lax.all_gather(_local_part(value), AXIS, axis=axis, tiled=True)
+
+
+def _local_part(x):
+    if isinstance(x, DistributedValues) and x._traced is not None:
+        return x._traced.local
+    return x
+
+
+class _Entry:
+    """One compiled program and the variables it threads."""
+
+    def __init__(self, extended, compiled, mirrored, sync_on_read, foreign, record):
+        self.extended = extended
+        self.compiled = compiled
+        self.mirrored = mirrored
+        self.sync_on_read = sync_on_read
+        self.foreign = foreign
+        self.out_treedef, self.out_layout, self.stacked_out = record.out
+
+    def __call__(self, dynamic):
+        mirrored = [v._value for v in self.mirrored]
+        sync_on_read = [v._stacked for v in self.sync_on_read]
+        _copy_shared_buffers(mirrored, sync_on_read)
+        foreign = [self.extended._replicate(v.value) for v in self.foreign]
+        new_mirrored, new_sync_on_read, outputs = self.extended._gated(
+            self.compiled, mirrored, sync_on_read, foreign, dynamic
+        )
+        for variable, value in zip(self.mirrored, new_mirrored):
+            variable._value = value
+        for variable, value in zip(self.sync_on_read, new_sync_on_read):
+            variable._stacked = value
+        return self._outputs(outputs)
+
+    def _outputs(self, arrays):
+        arrays = iter(arrays)
+        leaves = []
+        for slot in self.out_layout:
+            if slot is not _ARRAY:
+                leaves.append(slot)
+            elif self.stacked_out:
+                leaves.append(PerReplica(None, _stacked=next(arrays), _validate=False))
+            else:
+                leaves.append(next(arrays))
+        return jax.tree_util.tree_unflatten(self.out_treedef, leaves)
+
+
+def _copy_shared_buffers(*lists):
+    """Donation needs distinct buffers; a variable assigned from another shares one."""
+    seen = set()
+    for values in lists:
+        for i, value in enumerate(values):
+            if id(value) in seen:
+                values[i] = jnp.copy(value)
+            seen.add(id(value))
+
+
+class CompiledEngine:
+    """Runs replica functions as one compiled SPMD program per input signature."""
+
+    def __init__(self, extended):
+        self._extended = extended
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._foreign: dict = {}
+        self.trace_count = 0  # how many times a replica function was traced
+
+    def run(self, fn, args, kwargs):
+        extended = self._extended
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_input_leaf)
+        kinds, dynamic, signature, statics = [], [], [], []
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, PerReplica):
+                array, kind = extended._as_stacked(leaf), "r"
+            elif isinstance(leaf, DistributedValues):
+                array, kind = extended._replicate(extended._unwrap_mirrored(leaf)), "m"
+            elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+                array, kind = extended._replicate(leaf), "m"
+            else:
+                kinds.append(None)
+                statics.append((index, _static_key(leaf)))
+                continue
+            kinds.append(kind)
+            dynamic.append(array)
+            signature.append((kind, array.shape, array.dtype, array.weak_type))
+        base_key = (fn, treedef, tuple(statics), tuple(signature))
+        key = base_key + (extended._variable_state().version, len(self._foreign))
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._build(fn, treedef, leaves, kinds, dynamic)
+            key = base_key + (extended._variable_state().version, len(self._foreign))
+            self._cache[key] = entry
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return entry(dynamic)
+
+    def _build(self, fn, treedef, leaves, kinds, dynamic):
+        extended = self._extended
+        strategy = extended._container_strategy()
+        for _ in range(_MAX_TRACES_PER_SIGNATURE):
+            state = extended._variable_state()
+            mirrored, sync_on_read = state.mirrored, state.sync_on_read
+            foreign = list(self._foreign.values())
+            record = _Record()
+            body = self._body(fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record)
+            stacked_out = extended._num_local_replicas > 1
+            mapped = jax.shard_map(
+                body,
+                mesh=extended._mesh,
+                in_specs=(P(), P(AXIS), P(), [P(AXIS) if k == "r" else P() for k in kinds if k]),
+                out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P()),
+                check_vma=False,
+            )
+            jitted = jax.jit(mapped, donate_argnums=(0, 1))
+            traced = jitted.trace(
+                [v._value for v in mirrored],
+                [v._stacked for v in sync_on_read],
+                [extended._replicate(v.value) for v in foreign],
+                dynamic,
+            )
+            record.out = record.out + (stacked_out,)
+            if not self._absorb_discoveries(strategy, record):
+                break
+        else:
+            raise RuntimeError(
+                "The replica function kept creating new variables on every trace. "
+                "Create variables once, e.g. by building the model and the optimizer "
+                f"before the first `strategy.run`. Received: fn={fn!r}"
+            )
+        self._check_assignments(record, mirrored, sync_on_read)
+        return _Entry(
+            extended, traced.lower().compile(), mirrored, sync_on_read, foreign, record
+        )
+
+    def _body(self, fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record):
+        extended = self._extended
+        strategy = extended._container_strategy()
+
+        def body(mirrored_values, sync_on_read_values, foreign_values, dynamic_values):
+            self.trace_count += 1
+            mapping = {id(v): x for v, x in zip(mirrored, mirrored_values)}
+            mapping.update({id(v): x[0] for v, x in zip(sync_on_read, sync_on_read_values)})
+            mapping.update({id(v): x for v, x in zip(foreign, foreign_values)})
+            dynamic_iter = iter(dynamic_values)
+            local_leaves = []
+            for leaf, kind in zip(leaves, kinds):
+                if kind is None:
+                    local_leaves.append(leaf)
+                else:
+                    value = next(dynamic_iter)
+                    local_leaves.append(value[0] if kind == "r" else value)
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, local_leaves)
+            replica = CompiledReplica(extended)
+            replica_context = ReplicaContext(strategy, lax.axis_index(AXIS), _engine=replica)
+            replica.replica_context = replica_context
+            frame = _context.Frame(strategy, replica_context, engine=replica)
+            with _context.push(frame), RecordingScope(mapping) as scope:
+                outputs = fn(*args, **kwargs)
+                outputs = jax.tree_util.tree_map(_output_value, outputs, is_leaf=_is_input_leaf)
+            record.assigned = dict(scope.assigned)
+            record.unmapped = dict(scope.unmapped)
+            new_mirrored = [scope.state_mapping[id(v)] for v in mirrored]
+            new_sync_on_read = [jnp.asarray(scope.state_mapping[id(v)])[None] for v in sync_on_read]
+            out_leaves, out_treedef = jax.tree_util.tree_flatten(outputs, is_leaf=lambda x: x is None)
+            arrays, layout = [], []
+            for leaf in out_leaves:
+                if _is_array_like(leaf):
+                    arrays.append(jnp.asarray(leaf))
+                    layout.append(_ARRAY)
+                else:
+                    layout.append(leaf)
+            record.out = (out_treedef, layout)
+            if extended._num_local_replicas > 1:
+                arrays = [a[None] for a in arrays]
+            return new_mirrored, new_sync_on_read, arrays
+
+        return body
+
+    def _absorb_discoveries(self, strategy, record) -> bool:
+        """Takes in variables the trace met for the first time; True to trace again."""
+        from keras_dist._variables import DistributedVariable
+
+        again = False
+        if pending_variables():
+            with _context.push(_context.Frame(strategy, None)):
+                initialize_pending_variables()
+            again = True
+        for variable in record.unmapped.values():
+            if getattr(variable, "_value", None) is None:
+                continue
+            if isinstance(variable, DistributedVariable):
+                if variable._distribute_strategy is not strategy:
+                    raise RuntimeError(
+                        "Mixing different tf.distribute.Strategy objects: variable "
+                        f"{variable.path!r} was created under another strategy and used "
+                        f"in `run` of {type(strategy).__name__}."
+                    )
+                again = True  # created after the state was taken
+            elif id(variable) not in self._foreign:
+                self._foreign[id(variable)] = variable
+                again = True
+        return again
+
+    def _check_assignments(self, record, mirrored, sync_on_read):
+        threaded = {id(v) for v in mirrored} | {id(v) for v in sync_on_read}
+        for variable in record.assigned.values():
+            if id(variable) not in threaded:
+                raise ValueError(
+                    f"Variable {variable.path!r} was created outside `strategy.scope()` "
+                    "and assigned inside `strategy.run`, where every replica would write "
+                    "its own copy. Create it inside `with strategy.scope():`. "
+                    f"Received: variable={variable!r}"
+                )
+
+
+def _output_value(x):
+    if isinstance(x, KerasVariable):
+        return x.value
+    return _local_part(x)
+
+
+def _is_array_like(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))

@@ -1,0 +1,206 @@
+"""The eager engine: one thread per local replica, run in turn, as TF's MirroredStrategy.
+
+Used when ``keras_dist.config.run_functions_eagerly(True)`` is set (to
+``print`` and debug with real values), and automatically when per-replica
+inputs have different shapes (the last partial batch of a custom loop), which
+one compiled program cannot take.
+
+Replica threads run one at a time, in replica order, each on its own device
+(``jax.default_device``) until it finishes or reaches a ``merge_call``: so a
+layer built by replica 0 is reused by the others, and the run is deterministic.
+When every replica has reached the ``merge_call``, the calling thread runs
+``merge_fn`` once in the cross-replica context with the replicas' arguments
+regrouped into ``PerReplica`` values; each replica resumes with its own part of
+the result. ``all_reduce`` and ``all_gather`` are ``merge_call`` s, as in TF.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from keras_dist import _context
+from keras_dist._replica_context import ReplicaContext
+from keras_dist._values import DistributedValues
+from keras_dist._values import regroup
+
+_ABORT = object()
+
+
+class _ReplicaAborted(BaseException):
+    """Stops the other replicas after one of them failed."""
+
+
+class _ReplicaThread(threading.Thread):
+    def __init__(self, engine, index, device, fn, args, kwargs):
+        super().__init__(name=f"keras_dist-replica-{index}", daemon=True)
+        self.engine = engine
+        self.index = index
+        self.device = device
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.should_run = threading.Event()
+        self.has_paused = threading.Event()
+        self.done = False
+        self.result = None
+        self.error = None
+        self.merge_request = None
+        self.merge_result = None
+
+    def run(self):
+        self.should_run.wait()
+        self.should_run.clear()
+        strategy = self.engine._extended._container_strategy()
+        replica = _EagerReplica(self)
+        context = ReplicaContext(strategy, self.index, _engine=replica, _eager_index=self.index)
+        try:
+            with _context.push(_context.Frame(strategy, context, engine=replica)):
+                with jax.default_device(self.device):
+                    self.result = self.fn(*self.args, **self.kwargs)
+        except _ReplicaAborted:
+            pass
+        except BaseException as error:  # re-raised unchanged in the caller
+            self.error = error
+        finally:
+            self.done = True
+            self.has_paused.set()
+
+    def merge(self, merge_fn, args, kwargs):
+        self.merge_request = (merge_fn, args, kwargs)
+        self.has_paused.set()
+        self.should_run.wait()
+        self.should_run.clear()
+        result, self.merge_result = self.merge_result, None
+        if result is _ABORT:
+            raise _ReplicaAborted()
+        return result
+
+
+class _EagerReplica:
+    compiled = False
+
+    def __init__(self, thread):
+        self._thread = thread
+
+    def merge_call(self, replica_context, merge_fn, args, kwargs):
+        return self._thread.merge(merge_fn, args, kwargs)
+
+    def all_reduce(self, reduce_op, value):
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        # Each replica contributes its own tensors, as TF converts them first.
+        leaves = [jnp.asarray(x) for x in leaves]
+
+        def merge_fn(strategy, *values):
+            return strategy.extended.batch_reduce_to(reduce_op, [(v, v) for v in values])
+
+        reduced = self._thread.merge(merge_fn, leaves, {})
+        return jax.tree_util.tree_unflatten(treedef, list(reduced))
+
+    def all_gather(self, value, axis):
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        leaves = [jnp.asarray(x) for x in leaves]
+
+        def merge_fn(strategy, *values):
+            return [_broadcast_gather(strategy, v, axis) for v in values]
+
+        gathered = self._thread.merge(merge_fn, leaves, {})
+        return jax.tree_util.tree_unflatten(treedef, list(gathered))
+
+    def aggregate_sync_on_read(self, variable, local):
+        raise AssertionError("eager replicas read SyncOnRead variables directly")
+
+
+def _broadcast_gather(strategy, value, axis):
+    gathered = strategy.gather(value, axis)
+    return strategy.extended.broadcast_to(gathered, None)
+
+
+class EagerEngine:
+    """Runs a replica function on one thread per local replica."""
+
+    def __init__(self, extended):
+        self._extended = extended
+
+    def run(self, fn, args, kwargs):
+        extended = self._extended
+        strategy = extended._container_strategy()
+        threads = []
+        for index, device in enumerate(extended._devices):
+            local_args, local_kwargs = _select(index, device, (args, kwargs))
+            threads.append(_ReplicaThread(self, index, device, fn, local_args, local_kwargs))
+        for thread in threads:
+            thread.start()
+        try:
+            self._drive(strategy, threads)
+        finally:
+            for thread in threads:
+                if not thread.done:
+                    thread.merge_result = _ABORT
+                    thread.should_run.set()
+            for thread in threads:
+                thread.join()
+        for thread in threads:
+            if thread.error is not None:
+                raise thread.error
+        results = [thread.result for thread in threads]
+        if len(results) == 1:
+            return results[0]
+        return regroup(results)
+
+    def _drive(self, strategy, threads):
+        while True:
+            for thread in threads:
+                if not thread.done:
+                    thread.should_run.set()
+                    thread.has_paused.wait()
+                    thread.has_paused.clear()
+                    if thread.error is not None:
+                        return
+            waiting = [t for t in threads if not t.done]
+            if not waiting:
+                return
+            if len(waiting) != len(threads):
+                raise RuntimeError(
+                    "Some replicas called `merge_call` (or a collective) while others "
+                    "had finished: every replica must make the same collective calls. "
+                    f"Received: replicas {[t.index for t in waiting]} waiting in "
+                    "merge_call."
+                )
+            self._merge(strategy, threads)
+
+    def _merge(self, strategy, threads):
+        merge_fn = threads[0].merge_request[0]
+        grouped_args = regroup([t.merge_request[1] for t in threads])
+        grouped_kwargs = regroup([t.merge_request[2] for t in threads])
+        for thread in threads:
+            thread.merge_request = None
+        with _context.push(_context.Frame(strategy, None)):
+            result = merge_fn(strategy, *grouped_args, **grouped_kwargs)
+        for thread in threads:
+            thread.merge_result = _select(thread.index, thread.device, result)
+
+
+def _select(index, device, structure):
+    def pick(x):
+        if isinstance(x, DistributedValues):
+            return x.values[index]
+        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+            if x.is_fully_replicated:
+                return x.addressable_data(0) if device is None else _on_device(x, device)
+        return x
+
+    return jax.tree_util.tree_map(pick, structure, is_leaf=_is_leaf)
+
+
+def _on_device(array, device):
+    for shard in array.addressable_shards:
+        if shard.device == device:
+            return shard.data
+    return jax.device_put(array.addressable_data(0), device)
+
+
+def _is_leaf(x):
+    from keras_dist._keras_hooks import KerasVariable
+
+    return isinstance(x, (DistributedValues, KerasVariable))
+
+

@@ -1,0 +1,50 @@
+"""`value_and_grad`: gradients of a loss with respect to Keras variables.
+
+JAX has no tape. ``keras_dist.value_and_grad(loss_fn, variables)`` returns a
+function computing ``loss_fn(*args)`` and its gradients with respect to
+``variables``; assignments ``loss_fn`` makes to other variables (batch-norm
+statistics, say) are kept. Inside ``strategy.run`` gradients are per replica,
+as TF's tape gives them; the optimizer sums them across replicas.
+"""
+
+import jax
+
+from keras_dist._keras_hooks import RecordingScope
+from keras_dist._keras_hooks import current_mapping
+
+
+def value_and_grad(loss_fn, variables, has_aux: bool = False):
+    """Returns ``f(*args, **kwargs) -> (loss, grads)`` for ``loss_fn`` and ``variables``.
+
+    With ``has_aux=True``, ``loss_fn`` returns ``(loss, aux)`` and ``f`` returns
+    ``((loss, aux), grads)``. Callable in any context.
+
+    >>> import keras, keras_dist as kd
+    >>> w = keras.Variable(3.0)
+    >>> loss, grads = kd.value_and_grad(lambda: w * w, [w])()
+    >>> float(loss), float(grads[0])
+    (9.0, 6.0)
+    """
+    variables = list(variables)
+
+    def wrapped(*args, **kwargs):
+        outer = current_mapping()
+        current = [v.value for v in variables]
+        assigned_variables = []
+
+        def pure(values):
+            mapping = dict(outer)
+            mapping.update({id(v): x for v, x in zip(variables, values)})
+            with RecordingScope(mapping) as scope:
+                out = loss_fn(*args, **kwargs)
+            assigned_variables[:] = list(scope.assigned.values())
+            updates = [scope.state_mapping[id(v)] for v in assigned_variables]
+            loss, aux = out if has_aux else (out, None)
+            return loss, (aux, updates)
+
+        (loss, (aux, updates)), grads = jax.value_and_grad(pure, has_aux=True)(current)
+        for variable, value in zip(assigned_variables, updates):
+            variable.assign(value)
+        return ((loss, aux) if has_aux else loss), list(grads)
+
+    return wrapped

@@ -1,0 +1,382 @@
+"""The extended API of strategies whose replicas are the devices of one mesh.
+
+``MirroredStrategy`` and ``OneDeviceStrategy`` share it. It owns the mesh, the
+variable registry, the engines, and the cross-replica reductions.
+"""
+
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from keras_dist import _config
+from keras_dist import _context
+from keras_dist._cross_device_ops import AXIS
+from keras_dist._cross_device_ops import CrossDeviceOps
+from keras_dist._cross_device_ops import select_cross_device_ops
+from keras_dist._devices import device_name
+from keras_dist._devices import resolve_device
+from keras_dist._engine._compiled import CompiledEngine
+from keras_dist._engine._eager import EagerEngine
+from keras_dist._engine._gate import GATE
+from keras_dist._engine._gate import needs_serializing
+from keras_dist._keras_hooks import StrategyDistribution
+from keras_dist._keras_hooks import set_variable_class
+from keras_dist._reduce_op import ReduceOp
+from keras_dist._replica_context import ReplicaContext
+from keras_dist._strategy import StrategyExtended
+from keras_dist._strategy import require_cross_replica
+from keras_dist._values import DistributedValues
+from keras_dist._values import Mirrored
+from keras_dist._values import PerReplica
+from keras_dist._values import regroup
+from keras_dist._variables import DistributedVariable
+from keras_dist._variables import MirroredVariable
+from keras_dist._variables import SyncOnReadVariable
+from keras_dist.experimental._value_context import ValueContext
+
+
+class _VariableState:
+    """The variables a strategy created, split by kind, in creation order."""
+
+    def __init__(self, version, mirrored, sync_on_read):
+        self.version = version
+        self.mirrored = mirrored
+        self.sync_on_read = sync_on_read
+
+
+class MeshExtended(StrategyExtended):
+    """Extended API over a 1-D mesh of local devices named ``"replica"``."""
+
+    def __init__(self, container_strategy, devices, cross_device_ops=None):
+        super().__init__(container_strategy)
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                "`cross_device_ops` must be a keras_dist.CrossDeviceOps such as "
+                f"kd.NcclAllReduce(). Received: cross_device_ops={cross_device_ops!r}"
+            )
+        self._devices = tuple(devices)
+        self._mesh = Mesh(np.array(self._devices), (AXIS,))
+        self._replicated = NamedSharding(self._mesh, P())
+        self._split = NamedSharding(self._mesh, P(AXIS))
+        self._num_local_replicas = len(self._devices)
+        self._num_replicas_in_sync = len(self._devices)
+        self._serialize = needs_serializing(self._devices)
+        self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._devices)
+        self._keras_distribution = StrategyDistribution(container_strategy)
+        self._variable_refs: list = []
+        self._variables_version = 0
+        self._state_cache = None
+        self._compiled = CompiledEngine(self)
+        self._eager = EagerEngine(self)
+
+    # ----------------------------------------------------------------- devices
+    @property
+    def worker_devices(self) -> tuple:
+        """The devices the replicas run on, as TF-style names."""
+        return tuple(device_name(d) for d in self._devices)
+
+    @property
+    def parameter_devices(self) -> tuple:
+        """The devices variables are stored on (every replica's)."""
+        return self.worker_devices
+
+    def _gated(self, fn, *args):
+        return GATE.call(self._serialize, fn, *args)
+
+    # --------------------------------------------------------------- variables
+    def _create_variable(self, variable):
+        """Keras's variable-creation hook: distributed class, registry, sharding."""
+        if isinstance(variable, DistributedVariable):
+            return self._replicated
+        cls = SyncOnReadVariable if variable.synchronization == "on_read" else MirroredVariable
+        set_variable_class(variable, cls)
+        variable._distribute_strategy = self._container_strategy()
+        self._variable_refs.append(weakref.ref(variable, self._forget_variable))
+        self._variables_version += 1
+        return self._replicated
+
+    def _forget_variable(self, _ref):
+        self._variables_version += 1
+
+    def _variable_state(self) -> _VariableState:
+        state = self._state_cache
+        if state is None or state.version != self._variables_version:
+            live = [v for v in (r() for r in self._variable_refs) if v is not None]
+            self._variable_refs = [weakref.ref(v, self._forget_variable) for v in live]
+            state = _VariableState(
+                self._variables_version,
+                [v for v in live if isinstance(v, MirroredVariable) and v._value is not None],
+                [v for v in live if isinstance(v, SyncOnReadVariable) and v._stacked is not None],
+            )
+            self._state_cache = state
+        return state
+
+    def _broadcast_stacked(self, value):
+        n = self._num_local_replicas
+        value = jnp.asarray(value)
+        return jax.device_put(jnp.broadcast_to(value, (n,) + value.shape), self._split)
+
+    def _stack_components(self, components):
+        shapes = {tuple(jnp.shape(c)) for c in components}
+        dtypes = {jnp.result_type(c) for c in components}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise ValueError(
+                "The per-replica components must have the same shape and dtype to be "
+                f"combined on the mesh. Received: shapes={sorted(shapes)}, "
+                f"dtypes={sorted(map(str, dtypes))}"
+            )
+        (shape,) = shapes
+        arrays = [
+            jax.device_put(jnp.reshape(jnp.asarray(c), (1,) + shape), d)
+            for c, d in zip(components, self._devices)
+        ]
+        return jax.make_array_from_single_device_arrays(
+            (len(arrays),) + shape, self._split, arrays
+        )
+
+    def _as_stacked(self, value: DistributedValues):
+        stacked = value._stacked
+        if stacked is not None and stacked.sharding == self._split:
+            return stacked
+        return self._stack_components(value.values)
+
+    def _replicate(self, value):
+        if isinstance(value, jax.Array) and value.sharding == self._replicated:
+            return value
+        return jax.device_put(value, self._replicated)
+
+    def _unwrap_mirrored(self, value):
+        if not isinstance(value, DistributedValues):
+            return value
+        if value._traced is not None:
+            return value._local()
+        if value._replicated is not None:
+            return value._replicated
+        if isinstance(value, Mirrored):
+            return self._replicate(value.values[0])
+        return value
+
+    def _reduce_stacked(self, aggregation, stacked):
+        """Cross-replica read of a SyncOnRead variable's components."""
+        if aggregation == "only_first_replica":
+            return self._replicate(self._unstack_first(stacked))
+        op = ReduceOp.from_variable_aggregation(aggregation)
+        return self._cross_device_ops._reduce_components(self, op, [stacked])[0]
+
+    def _unstack_first(self, stacked):
+        from keras_dist._values import unstack
+
+        return unstack(stacked)[0]
+
+    # ---------------------------------------------------------------- running
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        if not callable(fn):
+            raise TypeError(f"`fn` must be callable. Received: fn={fn!r}")
+        args = tuple(args) if isinstance(args, (list, tuple)) else (args,)
+        kwargs = kwargs or {}
+        strategy = self._container_strategy()
+        frame = _context.current_frame()
+        if frame.strategy is strategy and frame.replica_context is not None:
+            # Nested run inside one of our replicas: just call it.
+            return fn(*args, **kwargs)
+        for outer in _context.frames():
+            if outer.strategy is not strategy:
+                raise RuntimeError(
+                    "Mixing different tf.distribute.Strategy objects: `run` of "
+                    f"{type(strategy).__name__} was called inside a scope of "
+                    f"{type(outer.strategy).__name__}. Received: strategy={strategy!r}"
+                )
+        if _config.functions_run_eagerly() or _has_uneven_components((args, kwargs)):
+            return self._eager.run(fn, args, kwargs)
+        return self._compiled.run(fn, args, kwargs)
+
+    # ------------------------------------------------------------- reductions
+    def _engine_of_traced(self, values):
+        for v in values:
+            if isinstance(v, DistributedValues) and v._traced is not None:
+                return v._traced.engine
+        return None
+
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        reduce_op = ReduceOp.from_value(reduce_op)
+        require_cross_replica(self._container_strategy(), "batch_reduce_to")
+        values = [v for v, _ in value_destination_pairs]
+        engine = self._engine_of_traced(values)
+        if engine is not None:
+            return engine.reduce_traced(reduce_op, values)
+        results = [None] * len(values)
+        distributed = []
+        for i, value in enumerate(values):
+            if isinstance(value, DistributedValues):
+                distributed.append(i)
+            else:
+                results[i] = self._reduce_non_distributed(reduce_op, value)
+        if distributed:
+            stacked = [self._as_stacked(values[i]) for i in distributed]
+            reduced = self._cross_device_ops._reduce_components(self, reduce_op, stacked)
+            for i, r in zip(distributed, reduced):
+                results[i] = self._place(r, value_destination_pairs[i][1])
+        return results
+
+    def _reduce_non_distributed(self, reduce_op, value):
+        if reduce_op is ReduceOp.MEAN or self._num_replicas_in_sync == 1:
+            return value
+        if isinstance(value, (int, float)) and value == 0:
+            return value
+        raise ValueError(
+            f"A non-DistributedValues value {value} cannot be reduced with the given "
+            f"reduce op {reduce_op}. Give each replica its own value (a PerReplica, or "
+            "a tensor computed in the replica), or use ReduceOp.MEAN. Received: "
+            f"value={value!r}"
+        )
+
+    def _destination_devices(self, destinations):
+        if destinations is None or isinstance(destinations, (DistributedVariable, DistributedValues)):
+            return self._devices
+        if isinstance(destinations, (str, jax.Device)):
+            return (resolve_device(destinations),)
+        if isinstance(destinations, (list, tuple)):
+            return tuple(resolve_device(d) for d in destinations)
+        return self._devices
+
+    def _place(self, replicated, destinations):
+        devices = self._destination_devices(destinations)
+        if devices == self._devices:
+            return Mirrored(None, _replicated=replicated)
+        value = replicated.addressable_data(0)
+        return Mirrored(tuple(jax.device_put(value, d) for d in devices), _validate=False)
+
+    def broadcast_to(self, tensor, destinations):
+        require_cross_replica(self._container_strategy(), "broadcast_to")
+        if isinstance(tensor, DistributedValues):
+            tensor = self._unwrap_mirrored(tensor)
+        return self._place(self._replicate(jnp.asarray(tensor)), destinations)
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        require_cross_replica(self._container_strategy(), "update")
+        kwargs = kwargs or {}
+        frame = _context.current_frame()
+        per_replica = [
+            a for a in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_dv)
+            if isinstance(a, PerReplica)
+        ]
+        if per_replica and isinstance(var, SyncOnReadVariable):
+            return self._update_components(var, fn, args, kwargs, frame)
+        args, kwargs = jax.tree_util.tree_map(self._unwrap_mirrored, (args, kwargs), is_leaf=_is_dv)
+        with _context.push(_context.Frame(self._container_strategy(), None, engine=frame.engine)):
+            return fn(var, *args, **kwargs)
+
+    def _update_components(self, var, fn, args, kwargs, frame):
+        """Applies ``fn`` to each replica's component with that replica's arguments."""
+        strategy = self._container_strategy()
+        if frame.engine is not None and getattr(frame.engine, "compiled", False):
+            local = jax.tree_util.tree_map(
+                lambda a: a._local() if isinstance(a, DistributedValues) else a,
+                (args, kwargs),
+                is_leaf=_is_dv,
+            )
+            with _context.push(_context.Frame(strategy, frame.engine.replica_context, engine=frame.engine)):
+                return fn(var, *local[0], **local[1])
+        results = []
+        for i in range(self._num_local_replicas):
+            context = ReplicaContext(strategy, i, _eager_index=i)
+            a, k = _select(i, (args, kwargs))
+            with _context.push(_context.Frame(strategy, context)):
+                results.append(fn(var, *a, **k))
+        return regroup(results)
+
+    # ------------------------------------------------- strategy-level helpers
+    def _reduce(self, reduce_op, value, axis):
+        if isinstance(value, DistributedValues) and value._traced is not None:
+            return value._traced.engine.reduce_with_axis(reduce_op, value, axis)
+        if axis is None:
+            if not isinstance(value, DistributedValues):
+                return self._reduce_non_distributed(reduce_op, value)
+            return _first(self.reduce_to(reduce_op, value, None))
+        if not isinstance(value, DistributedValues):
+            value = Mirrored((value,) * self._num_local_replicas, _validate=False)
+        if value._stacked is not None:
+            return _first(self._gated(_stacked_axis_reducer(reduce_op, axis), value._stacked))
+        # Uneven components (e.g. a partial last batch): reduce each, then add up.
+        target = self._devices[0]
+        components = [jnp.asarray(c) for c in value.values]
+        total = sum(jax.device_put(jnp.sum(c, axis=axis), target) for c in components)
+        if reduce_op is ReduceOp.SUM:
+            return total
+        count = sum(c.shape[axis] for c in components)
+        return total / count
+
+    def _gather(self, value, axis):
+        if isinstance(value, DistributedValues) and value._traced is not None:
+            return value._traced.engine.gather_traced(value, axis)
+        if not isinstance(value, DistributedValues):
+            value = Mirrored((value,) * self._num_local_replicas, _validate=False)
+        target = self._devices[0]
+        return jnp.concatenate([jax.device_put(jnp.asarray(c), target) for c in value.values], axis=axis)
+
+    def _distribute_values_from_function(self, value_fn):
+        n = self._num_replicas_in_sync
+        per_replica = []
+        for i, device in enumerate(self._devices):
+            value = value_fn(ValueContext(i, n))
+            per_replica.append(
+                jax.tree_util.tree_map(lambda x, d=device: jax.device_put(x, d), value)
+            )
+        return regroup(per_replica, always_wrap=True)
+
+
+def _is_dv(x):
+    return isinstance(x, DistributedValues)
+
+
+def _select(index, structure):
+    return jax.tree_util.tree_map(
+        lambda x: x.values[index] if isinstance(x, DistributedValues) else x,
+        structure,
+        is_leaf=_is_dv,
+    )
+
+
+def _first(value):
+    """A reduced value as one array on the first device (cheap: no copy)."""
+    if isinstance(value, DistributedValues):
+        if value._replicated is not None:
+            return value._replicated.addressable_data(0)
+        return value.values[0]
+    if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
+        return value.addressable_data(0)
+    return value
+
+
+_AXIS_REDUCERS: dict = {}
+
+
+def _stacked_axis_reducer(reduce_op, axis):
+    key = (reduce_op, axis)
+    if key not in _AXIS_REDUCERS:
+
+        def reduce(stacked):
+            per_replica_axis = axis + 1 if axis >= 0 else axis
+            if reduce_op is ReduceOp.SUM:
+                return jnp.sum(stacked, axis=(0, per_replica_axis))
+            return jnp.mean(stacked, axis=(0, per_replica_axis))
+
+        _AXIS_REDUCERS[key] = jax.jit(reduce)
+    return _AXIS_REDUCERS[key]
+
+
+def _has_uneven_components(structure) -> bool:
+    for leaf in jax.tree_util.tree_leaves(structure, is_leaf=_is_dv):
+        if isinstance(leaf, PerReplica) and leaf._stacked is None and leaf._traced is None:
+            shapes = {tuple(np.shape(c)) for c in leaf.values}
+            if len(shapes) > 1:
+                return True
+    return False

@@ -1,0 +1,45 @@
+"""`MirroredStrategy` and `OneDeviceStrategy`: synchronous replicas on local devices."""
+
+from keras_dist._devices import resolve_device
+from keras_dist._devices import resolve_devices
+from keras_dist._mesh_extended import MeshExtended
+from keras_dist._strategy import Strategy
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training on several devices of one machine.
+
+    Each variable is mirrored on every device; each replica processes its share
+    of the global batch, and gradients are summed across replicas with one
+    fused all-reduce before every replica applies the same update.
+
+    Args:
+        devices: TF device strings ("/gpu:0", "GPU:1", "/cpu:0") or
+            ``jax.Device`` objects. Defaults to every local device of JAX's
+            default backend.
+        cross_device_ops: a ``CrossDeviceOps`` choosing the reduction path.
+            Defaults to ``NcclAllReduce`` (one fused all-reduce).
+
+    >>> import keras, keras_dist as kd
+    >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    >>> strategy.num_replicas_in_sync
+    2
+    >>> with strategy.scope():
+    ...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    """
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        super().__init__(MeshExtended(self, resolve_devices(devices), cross_device_ops))
+
+
+class OneDeviceStrategy(Strategy):
+    """Runs everything on one device, with the same API as the other strategies.
+
+    >>> import keras_dist as kd
+    >>> strategy = kd.OneDeviceStrategy("/cpu:0")
+    >>> strategy.experimental_local_results(strategy.run(lambda: 4.0))
+    (Array(4., dtype=float32, weak_type=True),)
+    """
+
+    def __init__(self, device):
+        super().__init__(MeshExtended(self, (resolve_device(device),)))

@@ -1,0 +1,47 @@
+"""`ReduceOp`: how values from several replicas are combined."""
+
+import enum
+
+
+class ReduceOp(enum.Enum):
+    """Indicates how a set of values from the replicas should be reduced.
+
+    * ``SUM``: add the values of all replicas.
+    * ``MEAN``: add them and divide by the number of replicas.
+
+    Strings are accepted wherever a ``ReduceOp`` is, in either case:
+
+    >>> ReduceOp.from_value("sum")
+    <ReduceOp.SUM: 'SUM'>
+    """
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @classmethod
+    def from_value(cls, value: "ReduceOp | str") -> "ReduceOp":
+        """Returns the ``ReduceOp`` named by ``value`` (a ReduceOp or a string)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(
+            'Unknown reduce op. Expected ReduceOp.SUM, ReduceOp.MEAN, "SUM", "sum", '
+            f'"MEAN" or "mean". Received: reduce_op={value!r}'
+        )
+
+    @classmethod
+    def from_variable_aggregation(cls, aggregation: str) -> "ReduceOp":
+        """Maps a Keras variable ``aggregation`` ("sum" or "mean") to a ReduceOp."""
+        if aggregation == "sum":
+            return cls.SUM
+        if aggregation == "mean":
+            return cls.MEAN
+        raise ValueError(
+            "Could not convert from `tf.VariableAggregation.NONE` (or "
+            "'only_first_replica') to a reduce op. Received: "
+            f"aggregation={aggregation!r}"
+        )
+
+    def __str__(self) -> str:
+        return f"ReduceOp.{self.name}"

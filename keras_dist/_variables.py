@@ -1,0 +1,268 @@
+"""Distributed variables: ``MirroredVariable`` and ``SyncOnReadVariable``.
+
+A Keras variable created under a strategy is given one of these classes by the
+strategy's variable policy (see ``_keras_hooks.StrategyDistribution``).
+
+* ``MirroredVariable`` (``synchronization="on_write"``/``"auto"``): one logical
+  value stored replicated on every device of the mesh. Writes in a replica
+  context are combined by the variable's ``aggregation`` through
+  ``merge_call``, as in tf.distribute, so every replica keeps the same value.
+* ``SyncOnReadVariable`` (``synchronization="on_read"``, e.g. metrics): one
+  component per replica, stored as a ``(num_replicas, *shape)`` array split
+  over the mesh. A replica reads and writes its own component; a read in the
+  cross-replica context aggregates the components.
+
+Where the value comes from depends on the context (see ``_context.Frame``):
+inside a compiled trace, from the stateless scope the engine set up; on an eager
+replica thread, from that replica's device; elsewhere, from storage.
+"""
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+from keras.src.backend import Variable as BackendVariable
+
+from keras_dist import _context
+from keras_dist._keras_hooks import KerasVariable
+from keras_dist._keras_hooks import get_stateless_scope
+from keras_dist._values import DistributedValues
+from keras_dist._values import PerReplica
+
+
+class DistributedVariable(BackendVariable):
+    """Base of the variables a strategy creates. Not constructed directly."""
+
+    _distribute_strategy = None
+
+    @property
+    def distribute_strategy(self):
+        """The strategy whose scope created this variable."""
+        return self._distribute_strategy
+
+    def _scope_value(self):
+        scope = get_stateless_scope()
+        if scope is not None:
+            return scope.get_current_value(self)
+        return None
+
+    def _replica_context(self):
+        replica_context = _context.current_frame().replica_context
+        if replica_context is None or replica_context._is_default:
+            return None
+        return replica_context
+
+    def assign(self, value):
+        return self._write("assign", value)
+
+    def assign_add(self, value):
+        return self._write("assign_add", value)
+
+    def assign_sub(self, value):
+        return self._write("assign_sub", value)
+
+    def _plain_write(self, kind, value):
+        """The write itself, in whatever state the surrounding code set up."""
+        if kind == "assign_add":
+            value = self.value + value
+        elif kind == "assign_sub":
+            value = self.value - value
+        return KerasVariable.assign(self, value)
+
+
+class MirroredVariable(DistributedVariable):
+    """A variable whose value is the same on every replica.
+
+    >>> import keras, keras_dist as kd
+    >>> strategy = kd.MirroredStrategy()
+    >>> with strategy.scope():
+    ...     v = keras.Variable(1.0, aggregation="mean")
+    >>> type(v).__name__
+    'MirroredVariable'
+    """
+
+    @property
+    def value(self):
+        value = self._scope_value()
+        if value is not None:
+            return self._maybe_autocast(value)
+        replica_context = self._replica_context()
+        if replica_context is not None and replica_context._eager_index is not None:
+            return self._maybe_autocast(self._component(replica_context._eager_index))
+        return super().value
+
+    def _component(self, index):
+        cached = getattr(self, "_components_cache", None)
+        if cached is None or cached[0] is not self._value:
+            by_device = {s.device: s.data for s in self._value.addressable_shards}
+            devices = self._distribute_strategy.extended._devices
+            cached = (self._value, [by_device[d] for d in devices])
+            self._components_cache = cached
+        return cached[1][index]
+
+    def _write(self, kind, value):
+        replica_context = self._replica_context()
+        if replica_context is not None:
+            return replica_context._update_on_write(self, kind, value)
+        if isinstance(value, PerReplica):
+            raise ValueError(
+                f"A MirroredVariable holds one value for every replica and cannot be "
+                f"given per-replica values in `{kind}`. Reduce them first with "
+                "`strategy.reduce`, or create the variable with "
+                "synchronization='on_read'. Received: " + repr(value)
+            )
+        value = self._distribute_strategy.extended._unwrap_mirrored(value)
+        return self._plain_write(kind, value)
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """A variable with one component per replica, aggregated when read outside.
+
+    >>> import keras, keras_dist as kd
+    >>> strategy = kd.MirroredStrategy()
+    >>> with strategy.scope():
+    ...     v = keras.Variable(0.0, synchronization="on_read", aggregation="sum")
+    >>> float(v.value)
+    0.0
+    """
+
+    _stacked = None
+
+    # Keras stores the first value through ``_value`` (and reads it back for
+    # the shape): every component starts from it.
+    @property
+    def _value(self):
+        if self._stacked is None:
+            return None
+        if self.aggregation in ("none", "only_first_replica"):
+            return self._local_components()[0]
+        return self._aggregated()
+
+    @_value.setter
+    def _value(self, value):
+        if value is None:
+            self._stacked = None
+            return
+        self._stacked = self._distribute_strategy.extended._broadcast_stacked(value)
+
+    @property
+    def value(self):
+        frame = _context.current_frame()
+        value = self._scope_value()
+        if value is not None:
+            if frame.replica_context is None and frame.engine is not None:
+                value = frame.engine.aggregate_sync_on_read(self, value)
+            return self._maybe_autocast(value)
+        replica_context = self._replica_context()
+        if replica_context is not None and replica_context._eager_index is not None:
+            index = replica_context._eager_index
+            return self._maybe_autocast(self._local_components()[index])
+        if self._stacked is None:
+            return super().value
+        if self.aggregation == "none":
+            raise ValueError(
+                "Could not convert from `tf.VariableAggregation.NONE` to a reduce "
+                f"op: the components of SyncOnReadVariable {self.path!r} cannot be "
+                "read in the cross-replica context. Create it with "
+                "aggregation='sum', 'mean' or 'only_first_replica'. Received: "
+                "aggregation='none'"
+            )
+        return self._maybe_autocast(self._aggregated())
+
+    def _local_components(self):
+        cached = getattr(self, "_components_cache", None)
+        if cached is None or cached[0] is not self._stacked:
+            from keras_dist._values import unstack
+
+            cached = (self._stacked, list(unstack(self._stacked)))
+            self._components_cache = cached
+        return cached[1]
+
+    def _aggregated(self):
+        cached = getattr(self, "_aggregate_cache", None)
+        if cached is None or cached[0] is not self._stacked:
+            reduced = self._distribute_strategy.extended._reduce_stacked(
+                self.aggregation, self._stacked
+            )
+            cached = (self._stacked, reduced)
+            self._aggregate_cache = cached
+        return cached[1]
+
+    def _write(self, kind, value):
+        frame = _context.current_frame()
+        replica_context = self._replica_context()
+        if isinstance(value, DistributedValues) and not isinstance(value, PerReplica):
+            value = self._distribute_strategy.extended._unwrap_mirrored(value)
+        if replica_context is not None:
+            if replica_context._eager_index is not None:
+                return self._write_component(replica_context._eager_index, kind, value)
+            return self._plain_write(kind, value)
+        if isinstance(value, PerReplica):
+            return self._distribute_strategy.extended.update(
+                self, lambda v, x: getattr(v, kind)(x), args=(value,)
+            )
+        if self.aggregation == "sum" and kind != "assign":
+            raise ValueError(
+                f"SyncOnReadVariable does not support `{kind}` in cross-replica "
+                "context when aggregation is set to `tf.VariableAggregation.SUM`. "
+                f"Assign the total with `assign` instead. Received: variable={self.path!r}"
+            )
+        if self.aggregation == "sum":
+            value = jnp.asarray(value, self.dtype) / self._distribute_strategy.num_replicas_in_sync
+        local = self._scope_value() if frame.engine is not None else None
+        if local is not None:
+            # Cross-replica code inside a compiled trace: this replica's component.
+            if kind != "assign":
+                value = local + value if kind == "assign_add" else local - value
+            return KerasVariable.assign(self, value)
+        if kind == "assign":
+            self._stacked = self._distribute_strategy.extended._broadcast_stacked(
+                jnp.asarray(value, self.dtype)
+            )
+        else:
+            sign = 1 if kind == "assign_add" else -1
+            components = [c + sign * jnp.asarray(value, self.dtype) for c in self._local_components()]
+            self._set_components(components)
+        return value
+
+    _write_lock = threading.Lock()
+
+    def _write_component(self, index, kind, value):
+        with self._write_lock:
+            components = list(self._local_components())
+            current = components[index]
+            if kind == "assign_add":
+                value = current + value
+            elif kind == "assign_sub":
+                value = current - value
+            value = jnp.asarray(value, self._dtype)
+            if value.shape != tuple(self._shape):
+                raise ValueError(
+                    f"The shape of the value must match the variable's shape "
+                    f"{self._shape}. Received: value.shape={value.shape}"
+                )
+            components[index] = value
+            self._set_components(components)
+        return value
+
+    def _set_components(self, components):
+        self._stacked = self._distribute_strategy.extended._stack_components(components)
+
+    def _components_for_update(self):
+        return self._local_components()
+
+
+def is_distributed_variable(value) -> bool:
+    return isinstance(value, DistributedVariable)
+
+
+def numpy_components(variable) -> list:
+    """The per-replica components of a variable as NumPy arrays (for tests)."""
+    if isinstance(variable, SyncOnReadVariable):
+        return [np.asarray(c) for c in variable._local_components()]
+    if isinstance(variable, MirroredVariable):
+        n = variable._distribute_strategy.num_replicas_in_sync
+        return [np.asarray(variable._component(i)) for i in range(n)]
+    return [np.asarray(variable.value)]
+
+
