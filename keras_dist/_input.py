@@ -15,6 +15,7 @@ import enum
 import jax
 import numpy as np
 
+from keras_dist import _context
 from keras_dist._values import PerReplica
 
 
@@ -183,17 +184,36 @@ def _per_replica_batches(extended, batches):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+_NOTHING = object()
+
+
 class DistributedIterator:
-    """Iterates a ``DistributedDataset``: each element is a nest of ``PerReplica`` values."""
+    """Iterates a ``DistributedDataset``: each element is a nest of ``PerReplica`` values.
+
+    Call it in cross-replica context and pass the element to ``strategy.run``.
+    """
 
     def __init__(self, next_fn):
         self._next_fn = next_fn
         self._element_spec = None
+        self._peeked = _NOTHING  # the element `element_spec` read ahead, not yet returned
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        replica_context = _context.current_frame().replica_context
+        if replica_context is not None and not replica_context._is_default:
+            # As TF: inside a replica each replica would take its own step of the
+            # data (eager), or the step would be read at trace time (compiled).
+            raise ValueError(
+                "next(iterator) should be called from outside of replica_fn, e.g. "
+                "strategy.run(replica_fn, args=(next(iterator),)). Received: a call "
+                f"inside `run` of {type(replica_context.strategy).__name__}."
+            )
+        if self._peeked is not _NOTHING:
+            value, self._peeked = self._peeked, _NOTHING
+            return value
         value = self._next_fn()
         if self._element_spec is None:
             self._element_spec = _spec_of(value)
@@ -212,7 +232,16 @@ class DistributedIterator:
 
     @property
     def element_spec(self):
-        """The per-replica structure of the elements (``jax.ShapeDtypeStruct`` leaves)."""
+        """The per-replica structure of the elements (``jax.ShapeDtypeStruct`` leaves).
+
+        Known before the first ``get_next``, as in TF: the first element is read
+        ahead and kept for it. ``None`` when the data is empty.
+        """
+        if self._element_spec is None and self._peeked is _NOTHING:
+            try:
+                self._peeked = next(self)
+            except StopIteration:
+                return None
         return self._element_spec
 
 
@@ -250,6 +279,12 @@ class DistributedDataset:
     def from_global_batches(cls, strategy, dataset, options=None):
         if options is not None:
             options.validate()
+            if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+                # As TF: a global batch has no per-replica pipelines to build.
+                raise NotImplementedError(
+                    "InputReplicationMode.PER_REPLICA is only supported in "
+                    "`distribute_datasets_from_function`. Received: " + repr(options)
+                )
         _check_iterable(dataset)
         extended = strategy.extended
         if not hasattr(extended, "_split"):

@@ -6,7 +6,10 @@ fails loudly when a Keras release moves one of them.
 * Variable creation: Keras asks the current ``keras.distribution.Distribution``
   for a layout when a variable is created (``JaxVariable._initialize_layout``).
   Our distribution answers with the strategy's placement and gives the
-  variable its distributed class.
+  variable its distributed class. Keras skips the question when a layout was
+  passed in, as optimizers do for their slots (``add_variable_from_reference``
+  copies the model variable's layout), so ``install_variable_hook`` makes
+  Keras ask our distribution in that case too.
 * State threading: ``StatelessScope`` maps variables (by ``id``) to values;
   ``RecordingScope`` also records which variables were assigned or read
   without a mapping.
@@ -21,6 +24,7 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.common.variables import Variable as KerasVariable
 from keras.src.backend.common.variables import initialize_all_variables
+from keras.src.backend.jax.core import JaxVariable
 from keras.src.distribution import distribution_lib
 from keras.src.optimizers import base_optimizer
 
@@ -32,6 +36,7 @@ __all__ = [
     "get_stateless_scope",
     "initialize_pending_variables",
     "install_optimizer_hook",
+    "install_variable_hook",
     "pending_variables",
 ]
 
@@ -64,6 +69,26 @@ class StrategyDistribution(distribution_lib.Distribution):
 
     def distribute_dataset(self, dataset):
         return dataset
+
+
+_original_initialize_layout = JaxVariable._initialize_layout
+
+
+def install_variable_hook() -> None:
+    """Sends every variable created under a strategy through its policy."""
+    if getattr(JaxVariable._initialize_layout, "_keras_dist_hook", False):
+        return
+
+    @functools.wraps(_original_initialize_layout)
+    def _initialize_layout(self):
+        distribution = global_state.get_global_attribute("distribution")
+        if isinstance(distribution, StrategyDistribution):
+            self._layout = distribution.get_variable_layout(self)
+        else:
+            _original_initialize_layout(self)
+
+    _initialize_layout._keras_dist_hook = True
+    JaxVariable._initialize_layout = _initialize_layout
 
 
 def set_variable_class(variable, cls) -> None:

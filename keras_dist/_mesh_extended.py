@@ -239,8 +239,12 @@ class MeshExtended(StrategyExtended):
         )
 
     def _destination_devices(self, destinations):
-        if destinations is None or isinstance(destinations, (DistributedVariable, DistributedValues)):
+        if destinations is None or isinstance(destinations, DistributedVariable):
             return self._devices
+        if isinstance(destinations, DistributedValues):
+            # As in TF, the result goes where the destination value lives, which
+            # may be other devices than the replicas' (a Mirrored on one CPU).
+            return _committed_devices(destinations) or self._devices
         if isinstance(destinations, (str, jax.Device)):
             return (resolve_device(destinations),)
         if isinstance(destinations, (list, tuple)):
@@ -335,6 +339,27 @@ class MeshExtended(StrategyExtended):
 
 def _is_dv(x):
     return isinstance(x, DistributedValues)
+
+
+def _committed_devices(value):
+    """The devices of ``value``'s components when each is committed to its own device.
+
+    ``None`` when the components are on the strategy's mesh (stacked, replicated
+    or traced), are Python scalars, or were left on the default device.
+    """
+    if value._components is None:
+        return None
+    devices = []
+    for component in value._components:
+        if not isinstance(component, jax.Array) or not component.committed:
+            return None
+        component_devices = component.devices()
+        if len(component_devices) != 1:
+            return None
+        devices.append(next(iter(component_devices)))
+    if len(set(devices)) != len(devices):
+        return None
+    return tuple(devices)
 
 
 def _select(index, structure):

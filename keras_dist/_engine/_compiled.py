@@ -158,9 +158,10 @@ def _local_part(x):
 class _Entry:
     """One compiled program and the variables it threads."""
 
-    def __init__(self, extended, compiled, mirrored, sync_on_read, foreign, record):
+    def __init__(self, extended, lowered, mirrored, sync_on_read, foreign, record):
         self.extended = extended
-        self.compiled = compiled
+        self.lowered = lowered  # kept for inspection: tests count collectives in it
+        self.compiled = lowered.compile()
         self.mirrored = mirrored
         self.sync_on_read = sync_on_read
         self.foreign = foreign
@@ -277,9 +278,7 @@ class CompiledEngine:
                 f"before the first `strategy.run`. Received: fn={fn!r}"
             )
         self._check_assignments(record, mirrored, sync_on_read)
-        return _Entry(
-            extended, traced.lower().compile(), mirrored, sync_on_read, foreign, record
-        )
+        return _Entry(extended, traced.lower(), mirrored, sync_on_read, foreign, record)
 
     def _body(self, fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record):
         extended = self._extended
