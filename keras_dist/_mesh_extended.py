@@ -184,6 +184,9 @@ class MeshExtended(StrategyExtended):
         if frame.strategy is strategy and frame.replica_context is not None:
             # Nested run inside one of our replicas: just call it.
             return fn(*args, **kwargs)
+        if frame.strategy is strategy and getattr(frame.engine, "compiled", False):
+            # From a merge_fn inside a compiled trace: the trace's replicas run it.
+            return frame.engine.call_for_each_replica(fn, args, kwargs)
         for outer in _context.frames():
             if outer.strategy is not strategy:
                 raise RuntimeError(
@@ -304,6 +307,9 @@ class MeshExtended(StrategyExtended):
         if axis is None:
             if not isinstance(value, DistributedValues):
                 return self._reduce_non_distributed(reduce_op, value)
+            if value._sum is not None:
+                count = value._stacked.shape[0]
+                return _mean_from_sum(reduce_op, value._sum.addressable_data(0), count)
             return _first(self.reduce_to(reduce_op, value, None))
         if not isinstance(value, DistributedValues):
             value = Mirrored((value,) * self._num_local_replicas, _validate=False)
@@ -379,6 +385,14 @@ def _first(value):
     if isinstance(value, jax.Array) and len(value.sharding.device_set) > 1:
         return value.addressable_data(0)
     return value
+
+
+def _mean_from_sum(reduce_op, total, count):
+    if reduce_op is ReduceOp.SUM:
+        return total
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        return total // count
+    return total / count
 
 
 _AXIS_REDUCERS: dict = {}

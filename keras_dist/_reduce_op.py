@@ -37,9 +37,12 @@ class ReduceOp(enum.Enum):
             return cls.SUM
         if aggregation == "mean":
             return cls.MEAN
+        # TF's wording, which TF's tests match ("Could not convert from .*
+        # VariableAggregation\.NONE").
+        name = str(aggregation).upper()
         raise ValueError(
-            "Could not convert from `tf.VariableAggregation.NONE` (or "
-            "'only_first_replica') to a reduce op. Received: "
+            f"Could not convert from `tf.VariableAggregation` VariableAggregation.{name} "
+            "to a reduce op: only 'sum' and 'mean' map to one. Received: "
             f"aggregation={aggregation!r}"
         )
 

@@ -128,7 +128,11 @@ class ReplicaContext:
                 variable, lambda v, x: getattr(v, kind)(x), args=(value,)
             )
 
-        return self.merge_call(merge_fn, args=(value,))
+        self.merge_call(merge_fn, args=(value,))
+        # As TF's assign in a replica: this replica's copy of the new value (the
+        # eager engine would otherwise hand every replica the same object, and
+        # `run` would return one value instead of one per replica).
+        return variable.value
 
     def __repr__(self):
         return (

@@ -72,7 +72,7 @@ class Strategy:
         ...     kd.get_strategy() is strategy
         True
         """
-        return _scope(self)
+        return _Scope(self)
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """Runs ``fn(*args, **kwargs)`` on every replica; returns ``PerReplica`` results.
@@ -173,6 +173,27 @@ def _is_nest_of_distributed(value) -> bool:
     return any(isinstance(v, DistributedValues) for v in leaves)
 
 
+class _Scope:
+    """What ``strategy.scope()`` returns; may be entered again, also nested.
+
+    TF code keeps a scope object and re-enters it (``with scope:`` inside
+    ``with scope:``), which a generator-based context manager cannot do.
+    """
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._entered: list = []
+
+    def __enter__(self):
+        context = _scope(self._strategy)
+        strategy = context.__enter__()
+        self._entered.append(context)
+        return strategy
+
+    def __exit__(self, *exc_info):
+        return self._entered.pop().__exit__(*exc_info)
+
+
 @contextlib.contextmanager
 def _scope(strategy):
     frame = _context.current_frame()
@@ -189,7 +210,10 @@ def _scope(strategy):
                 f"{type(outer.strategy).__name__}. Leave the outer scope first. "
                 f"Received: strategy={strategy!r}, current={outer.strategy!r}"
             )
-    with _context.push(_context.Frame(strategy, None, entered_scope=True)):
+    # The default strategy's scope changes nothing (TF's testScopeMostlyNoOp): code
+    # in it stays in the default replica context, not in a cross-replica one.
+    replica_context = getattr(strategy.extended, "_default_replica_context", None)
+    with _context.push(_context.Frame(strategy, replica_context, entered_scope=True)):
         yield strategy
 
 
@@ -271,6 +295,20 @@ class StrategyExtended:
     def value_container(self, value) -> Any:
         """The distributed variable ``value`` belongs to, or ``value`` itself."""
         return value
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        """``get_replica_context().all_reduce``; TF code and tests call it by this name.
+
+        Call in a replica context.
+        """
+        replica_context = _context.get_replica_context()
+        if replica_context is None:
+            raise RuntimeError(
+                "`_replica_ctx_all_reduce` must be called in a replica context, inside "
+                "`strategy.run`. In the cross-replica context use `reduce_to`. "
+                f"Received: value={value!r}"
+            )
+        return replica_context.all_reduce(reduce_op, value, options)
 
     def _reduce(self, reduce_op, value, axis):
         raise NotImplementedError

@@ -45,6 +45,7 @@ class DistributedValues:
         self._stacked = _stacked  # PerReplica: (num_replicas, ...) split on the mesh
         self._replicated = _replicated  # Mirrored: one value replicated on the mesh
         self._traced = _traced  # a `_TracedValue` inside a compiled merge_call
+        self._sum = None  # the replicas' sum, when the compiled step computed it
 
     @property
     def values(self) -> tuple:

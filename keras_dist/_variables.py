@@ -160,10 +160,13 @@ class SyncOnReadVariable(DistributedVariable):
         if self._stacked is None:
             return super().value
         if self.aggregation == "none":
+            # TF's wording ("Could not convert from `tf.VariableAggregation`
+            # VariableAggregation.NONE ..."), which TF's tests match.
             raise ValueError(
-                "Could not convert from `tf.VariableAggregation.NONE` to a reduce "
-                f"op: the components of SyncOnReadVariable {self.path!r} cannot be "
-                "read in the cross-replica context. Create it with "
+                "Could not convert from `tf.VariableAggregation` "
+                "VariableAggregation.NONE to a reduce op: the components of "
+                f"SyncOnReadVariable {self.path!r} cannot be read in the "
+                "cross-replica context. Create it with "
                 "aggregation='sum', 'mean' or 'only_first_replica'. Received: "
                 "aggregation='none'"
             )

@@ -90,18 +90,31 @@ class CompiledReplica:
     def _cross_device_ops(self):
         return self._extended._cross_device_ops
 
+    def _wrap_traced(self, x):
+        if isinstance(x, jax.core.Tracer):
+            return PerReplica(None, _traced=_TracedValue(x, self), _validate=False)
+        return x
+
     def merge_call(self, replica_context, merge_fn, args, kwargs):
         strategy = self._extended._container_strategy()
-
-        def wrap(x):
-            if isinstance(x, jax.core.Tracer):
-                return PerReplica(None, _traced=_TracedValue(x, self), _validate=False)
-            return x
-
-        args, kwargs = jax.tree_util.tree_map(wrap, (args, kwargs), is_leaf=_is_input_leaf)
+        args, kwargs = jax.tree_util.tree_map(
+            self._wrap_traced, (args, kwargs), is_leaf=_is_input_leaf
+        )
         with _context.push(_context.Frame(strategy, None, engine=self)):
             result = merge_fn(strategy, *args, **kwargs)
         return jax.tree_util.tree_map(_local_part, result, is_leaf=_is_input_leaf)
+
+    def call_for_each_replica(self, fn, args, kwargs):
+        """``call_for_each_replica`` from a merge_fn of this trace: its replicas run ``fn``.
+
+        The program already runs once per replica under ``shard_map``, and JAX
+        does not allow a second ``shard_map`` over the same mesh inside it.
+        """
+        strategy = self._extended._container_strategy()
+        args, kwargs = jax.tree_util.tree_map(_local_part, (args, kwargs), is_leaf=_is_input_leaf)
+        with _context.push(_context.Frame(strategy, self.replica_context, engine=self)):
+            result = fn(*args, **kwargs)
+        return jax.tree_util.tree_map(self._wrap_traced, result, is_leaf=_is_input_leaf)
 
     def all_reduce(self, reduce_op, value):
         leaves, treedef = jax.tree_util.tree_flatten(value)
@@ -165,30 +178,34 @@ class _Entry:
         self.mirrored = mirrored
         self.sync_on_read = sync_on_read
         self.foreign = foreign
-        self.out_treedef, self.out_layout, self.stacked_out = record.out
+        self.out_treedef, self.out_layout, self.has_sum, self.stacked_out = record.out
 
     def __call__(self, dynamic):
         mirrored = [v._value for v in self.mirrored]
         sync_on_read = [v._stacked for v in self.sync_on_read]
         _copy_shared_buffers(mirrored, sync_on_read)
         foreign = [self.extended._replicate(v.value) for v in self.foreign]
-        new_mirrored, new_sync_on_read, outputs = self.extended._gated(
+        new_mirrored, new_sync_on_read, outputs, sums = self.extended._gated(
             self.compiled, mirrored, sync_on_read, foreign, dynamic
         )
         for variable, value in zip(self.mirrored, new_mirrored):
             variable._value = value
         for variable, value in zip(self.sync_on_read, new_sync_on_read):
             variable._stacked = value
-        return self._outputs(outputs)
+        return self._outputs(outputs, sums)
 
-    def _outputs(self, arrays):
-        arrays = iter(arrays)
+    def _outputs(self, arrays, sums):
+        arrays, sums = iter(arrays), iter(sums)
+        has_sum = iter(self.has_sum)
         leaves = []
         for slot in self.out_layout:
             if slot is not _ARRAY:
                 leaves.append(slot)
             elif self.stacked_out:
-                leaves.append(PerReplica(None, _stacked=next(arrays), _validate=False))
+                value = PerReplica(None, _stacked=next(arrays), _validate=False)
+                if next(has_sum):
+                    value._sum = next(sums)
+                leaves.append(value)
             else:
                 leaves.append(next(arrays))
         return jax.tree_util.tree_unflatten(self.out_treedef, leaves)
@@ -196,6 +213,8 @@ class _Entry:
 
 def _copy_shared_buffers(*lists):
     """Donation needs distinct buffers; a variable assigned from another shares one."""
+    if len({id(v) for values in lists for v in values}) == sum(map(len, lists)):
+        return
     seen = set()
     for values in lists:
         for i, value in enumerate(values):
@@ -258,7 +277,7 @@ class CompiledEngine:
                 body,
                 mesh=extended._mesh,
                 in_specs=(P(), P(AXIS), P(), [P(AXIS) if k == "r" else P() for k in kinds if k]),
-                out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P()),
+                out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P(), P()),
                 check_vma=False,
             )
             jitted = jax.jit(mapped, donate_argnums=(0, 1))
@@ -317,10 +336,12 @@ class CompiledEngine:
                     layout.append(_ARRAY)
                 else:
                     layout.append(leaf)
-            record.out = (out_treedef, layout)
+            sums = []
             if extended._num_local_replicas > 1:
+                sums = [lax.psum(a, AXIS) if _reduce_in_program(a) else None for a in arrays]
                 arrays = [a[None] for a in arrays]
-            return new_mirrored, new_sync_on_read, arrays
+            record.out = (out_treedef, layout, [x is not None for x in sums])
+            return new_mirrored, new_sync_on_read, arrays, [x for x in sums if x is not None]
 
         return body
 
@@ -365,6 +386,18 @@ def _output_value(x):
     if isinstance(x, KerasVariable):
         return x.value
     return _local_part(x)
+
+
+# Small numeric outputs (losses, counts) are also summed inside the program: the
+# all-reduce joins the gradients' one, and ``strategy.reduce`` of them then costs
+# no further multi-device execution (which is a round trip per step on CPU).
+_IN_PROGRAM_REDUCE_MAX_ELEMENTS = 16
+
+
+def _reduce_in_program(array) -> bool:
+    return array.size <= _IN_PROGRAM_REDUCE_MAX_ELEMENTS and (
+        jnp.issubdtype(array.dtype, jnp.floating) or jnp.issubdtype(array.dtype, jnp.integer)
+    )
 
 
 def _is_array_like(x) -> bool:

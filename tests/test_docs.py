@@ -1,0 +1,34 @@
+"""Every public name is documented, and the examples in docstrings run."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import keras_dist as kd
+
+PUBLIC_MODULES = [kd, kd.config, kd.experimental, kd.nn]
+
+
+def _public_names():
+    for module in PUBLIC_MODULES:
+        for name in module.__all__:
+            yield module.__name__, name, getattr(module, name)
+
+
+@pytest.mark.parametrize("module,name,obj", list(_public_names()), ids=lambda x: str(x)[:40])
+def test_public_name_has_a_docstring(module, name, obj):
+    assert (obj.__doc__ or "").strip(), f"{module}.{name} has no docstring"
+
+
+def _all_modules():
+    for info in pkgutil.walk_packages(kd.__path__, prefix="keras_dist."):
+        yield info.name
+
+
+@pytest.mark.parametrize("module_name", sorted(_all_modules()))
+def test_docstring_examples_run(module_name):
+    module = importlib.import_module(module_name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0

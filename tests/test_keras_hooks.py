@@ -1,0 +1,68 @@
+"""The Keras internals keras_dist relies on (keras_dist/_keras_hooks.py) are still there.
+
+When one of these fails after a Keras upgrade, the hook in `_keras_hooks.py`
+that names the same internal needs updating.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+from conftest import cpus
+from keras.src.backend.common import global_state
+from keras.src.backend.common.stateless_scope import StatelessScope
+from keras.src.backend.jax.core import JaxVariable
+from keras.src.optimizers import base_optimizer
+
+import keras_dist as kd
+from keras_dist import _keras_hooks
+
+
+def test_keras_asks_the_distribution_for_variable_layouts():
+    source = inspect.getsource(_keras_hooks._original_initialize_layout)
+    assert "get_variable_layout" in source
+    assert global_state.get_global_attribute("distribution") is None
+
+
+def test_variable_storage_attributes_exist():
+    v = keras.Variable(np.ones(2, "float32"))
+    assert isinstance(v, JaxVariable)
+    assert hasattr(v, "_value") and hasattr(v, "_layout")
+    assert "_direct_assign" in JaxVariable.__dict__
+
+
+def test_stateless_scope_maps_variables_by_id():
+    v = keras.Variable(1.0)
+    with StatelessScope(state_mapping=[(v, 2.0)]) as scope:
+        assert float(v.value) == 2.0
+        v.assign(3.0)
+    assert isinstance(scope.state_mapping, dict)
+    assert float(scope.state_mapping[id(v)]) == 3.0
+    assert float(v.value) == 1.0
+
+
+def test_variables_created_in_a_stateless_scope_are_pending():
+    with StatelessScope():
+        v = keras.Variable(initializer="zeros", shape=(2,))
+        assert v in _keras_hooks.pending_variables()
+    assert v._value is not None
+
+
+def test_optimizer_apply_is_hooked_and_slots_copy_the_reference_layout():
+    assert getattr(base_optimizer.BaseOptimizer.apply, "_keras_dist_hook", False)
+    assert "layout" in inspect.getsource(base_optimizer.BaseOptimizer.add_variable_from_reference)
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        w = keras.Variable(np.ones(2, "float32"))
+        optimizer = keras.optimizers.Adam()
+        optimizer.build([w])
+    assert all(isinstance(v, kd.MirroredVariable) for v in optimizer.variables)
+
+
+def test_keras_variable_class_can_be_swapped():
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        layer = keras.layers.Dense(2)
+        layer.build((None, 3))
+    assert all(isinstance(v, kd.MirroredVariable) for v in layer.weights)
+    assert all(len(v.value.sharding.device_set) == 2 for v in layer.weights)
