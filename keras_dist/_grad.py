@@ -30,21 +30,29 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
     def wrapped(*args, **kwargs):
         outer = current_mapping()
         current = [v.value for v in variables]
-        assigned_variables = []
+        writes = []  # (variable, kind), replayed after the gradient
 
         def pure(values):
             mapping = dict(outer)
             mapping.update({id(v): x for v, x in zip(variables, values)})
-            with RecordingScope(mapping) as scope:
+            deferred = []
+            with RecordingScope(mapping, deferred_writes=deferred) as scope:
                 out = loss_fn(*args, **kwargs)
-            assigned_variables[:] = list(scope.assigned.values())
-            updates = [scope.state_mapping[id(v)] for v in assigned_variables]
+            # Distributed variables replay each write with its aggregation;
+            # plain ones take their final value.
+            deferred_ids = {id(v) for v, _, _ in deferred}
+            writes[:] = [(v, kind) for v, kind, _ in deferred]
+            values_out = [value for _, _, value in deferred]
+            for variable in scope.assigned.values():
+                if id(variable) not in deferred_ids:
+                    writes.append((variable, "assign"))
+                    values_out.append(scope.state_mapping[id(variable)])
             loss, aux = out if has_aux else (out, None)
-            return loss, (aux, updates)
+            return loss, (aux, values_out)
 
-        (loss, (aux, updates)), grads = jax.value_and_grad(pure, has_aux=True)(current)
-        for variable, value in zip(assigned_variables, updates):
-            variable.assign(value)
+        (loss, (aux, values_out)), grads = jax.value_and_grad(pure, has_aux=True)(current)
+        for (variable, kind), value in zip(writes, values_out):
+            getattr(variable, kind)(value)
         return ((loss, aux) if has_aux else loss), list(grads)
 
     return wrapped

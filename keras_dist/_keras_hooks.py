@@ -112,11 +112,14 @@ class RecordingScope(StatelessScope):
     checks: this runs on every trace and every gradient call).
     """
 
-    def __init__(self, mapping: dict):
+    def __init__(self, mapping: dict, deferred_writes: "list | None" = None):
         super().__init__(initialize_variables=False)
         self.state_mapping = mapping
         self.assigned: dict = {}
         self.unmapped: dict = {}
+        # When a list, distributed variables written in a replica append
+        # (variable, kind, value) to it instead of aggregating at once.
+        self.deferred_writes = deferred_writes
 
     def add_update(self, update):
         variable, value = update

@@ -52,6 +52,19 @@ class DistributedVariable(BackendVariable):
             return None
         return replica_context
 
+    def _deferred(self, kind, value):
+        """Inside ``value_and_grad``: write locally now, aggregate after the gradient.
+
+        Collectives cannot run on values being differentiated in the eager
+        engine, and deferring keeps TF's order of writes in both engines.
+        """
+        scope = get_stateless_scope()
+        writes = getattr(scope, "deferred_writes", None)
+        if writes is None or self._replica_context() is None:
+            return False
+        writes.append((self, kind, value))
+        return True
+
     def assign(self, value):
         return self._write("assign", value)
 
@@ -101,6 +114,8 @@ class MirroredVariable(DistributedVariable):
         return cached[1][index]
 
     def _write(self, kind, value):
+        if self._deferred(kind, value):
+            return self._plain_write(kind, value)
         replica_context = self._replica_context()
         if replica_context is not None:
             return replica_context._update_on_write(self, kind, value)
@@ -192,6 +207,8 @@ class SyncOnReadVariable(DistributedVariable):
         return cached[1]
 
     def _write(self, kind, value):
+        if self._deferred(kind, value):
+            return self._plain_write(kind, value)
         frame = _context.current_frame()
         replica_context = self._replica_context()
         if isinstance(value, DistributedValues) and not isinstance(value, PerReplica):

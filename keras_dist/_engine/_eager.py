@@ -185,13 +185,14 @@ def _select(index, device, structure):
             return x.values[index]
         if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
             if x.is_fully_replicated:
-                return x.addressable_data(0) if device is None else _on_device(x, device)
+                return x.addressable_data(0) if device is None else on_device(x, device)
         return x
 
     return jax.tree_util.tree_map(pick, structure, is_leaf=_is_leaf)
 
 
-def _on_device(array, device):
+def on_device(array, device):
+    """The copy of a replicated global ``array`` on ``device`` (no transfer when present)."""
     for shard in array.addressable_shards:
         if shard.device == device:
             return shard.data

@@ -1,0 +1,137 @@
+"""`keras_dist.value_and_grad` and the optimizer's path inside replicas."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+
+import keras_dist as kd
+
+
+def test_value_and_grad_outside_any_strategy():
+    w = keras.Variable(np.array([1.0, 2.0], "float32"))
+    b = keras.Variable(0.5)
+    loss, grads = kd.value_and_grad(lambda x: keras.ops.sum(w * x) + b * b, [w, b])(3.0)
+    assert float(loss) == pytest.approx(9.25)
+    np.testing.assert_allclose(grads[0], [3.0, 3.0])
+    assert float(grads[1]) == pytest.approx(1.0)
+
+
+def test_value_and_grad_has_aux_and_keeps_assignments():
+    w = keras.Variable(2.0)
+    counter = keras.Variable(0.0)
+
+    def loss_fn():
+        counter.assign(counter + 1.0)
+        return w * w, "aux"
+
+    (loss, aux), grads = kd.value_and_grad(loss_fn, [w], has_aux=True)()
+    assert (float(loss), aux, float(grads[0])) == (4.0, "aux", 4.0)
+    assert float(counter.numpy()) == 1.0
+
+
+def test_gradients_inside_a_replica_are_that_replicas_own(engine):
+    strategy = kd.MirroredStrategy(cpus(4))
+    with strategy.scope():
+        w = keras.Variable(1.0)
+    x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1)
+    )
+
+    def step(x):
+        return kd.value_and_grad(lambda: w * x, [w])()[1][0]
+
+    grads = strategy.experimental_local_results(strategy.run(step, args=(x,)))
+    assert [float(g) for g in grads] == [1.0, 2.0, 3.0, 4.0]
+
+
+class _BatchMean(keras.layers.Layer):
+    """Keeps running statistics of its inputs in variables of each aggregation."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=(), initializer="zeros", aggregation="mean",
+                                    trainable=False)
+        self.total = self.add_weight(shape=(), initializer="zeros", aggregation="sum",
+                                     trainable=False)
+        self.scale = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        self.mean.assign(0.5 * self.mean + 0.5 * keras.ops.mean(x))
+        self.total.assign_add(keras.ops.sum(x))
+        return x * self.scale
+
+
+def test_assignments_inside_loss_fn_are_kept_with_their_aggregation(engine):
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        layer = _BatchMean()
+        layer.build((None, 1))
+    batches = [np.array([[1.0], [3.0], [5.0], [7.0]], "float32")]
+
+    def step(x):
+        def loss_fn():
+            return kd.nn.compute_average_loss(keras.ops.sum(layer(x), axis=-1))
+
+        return kd.value_and_grad(loss_fn, layer.trainable_variables)()[1][0]
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        grads = strategy.run(step, args=(batch,))
+    # Replica 0 sees [1, 3] (mean 2), replica 1 [5, 7] (mean 6).
+    assert float(layer.mean.numpy()) == pytest.approx(0.5 * (2.0 + 6.0) / 2)
+    assert float(layer.total.numpy()) == pytest.approx(16.0)
+    # d loss / d scale on each replica: its rows' sum over the global batch of 4.
+    assert [float(g) for g in strategy.experimental_local_results(grads)] == [1.0, 3.0]
+
+
+def test_model_built_inside_run_gets_mirrored_variables(engine):
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(2, kernel_initializer="ones")])
+    x = np.ones((4, 3), "float32")
+    out = strategy.run(lambda x: model(x), args=(x,))
+    assert all(isinstance(v, kd.MirroredVariable) for v in model.weights)
+    for value in strategy.experimental_local_results(out):
+        np.testing.assert_allclose(value, np.full((4, 2), 3.0))
+
+
+def _stateless_training(strategy, steps=3):
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.Adam(0.05)
+        optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+
+    def step(inputs):
+        xb, yb = inputs
+
+        def loss_fn():
+            error = model(xb) - yb
+            return kd.nn.compute_average_loss(keras.ops.mean(error * error, axis=-1))
+
+        _, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
+        trainable, slots = optimizer.stateless_apply(
+            [v.value for v in optimizer.variables],
+            grads,
+            [v.value for v in model.trainable_variables],
+        )
+        for variable, value in zip(model.trainable_variables, trainable):
+            variable.assign(value)
+        for variable, value in zip(optimizer.variables, slots):
+            variable.assign(value)
+
+    dataset = strategy.experimental_distribute_dataset([(x, y)])
+    for _ in range(steps):
+        for batch in dataset:
+            strategy.run(step, args=(batch,))
+    return [v.numpy() for v in model.weights], int(optimizer.iterations.numpy())
+
+
+def test_stateless_apply_inside_replicas_matches_one_device(engine):
+    reference, iterations = _stateless_training(kd.OneDeviceStrategy("/cpu:0"))
+    mirrored, mirrored_iterations = _stateless_training(kd.MirroredStrategy(cpus(4)))
+    assert iterations == mirrored_iterations == 3
+    for got, want in zip(mirrored, reference):
+        np.testing.assert_allclose(got, want, atol=1e-5)
