@@ -66,7 +66,9 @@ def keras_dist_runner(strategy, batches):
     def run(steps):
         loss = None
         for i in range(steps):
-            loss = strategy.reduce("SUM", strategy.run(train_step, args=(dataset[i % len(dataset)],)), None)
+            loss = strategy.reduce(
+                "SUM", strategy.run(train_step, args=(dataset[i % len(dataset)],)), None
+            )
         jax.block_until_ready(loss)
 
     return run, [w.numpy() for w in model.trainable_variables]
@@ -134,7 +136,10 @@ def main():
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     batches = [
-        (rng.random((args.batch, 64), dtype=np.float32), rng.integers(0, 10, args.batch).astype("int32"))
+        (
+            rng.random((args.batch, 64), dtype=np.float32),
+            rng.integers(0, 10, args.batch).astype("int32"),
+        )
         for _ in range(8)
     ]
     strategy = kd.MirroredStrategy()

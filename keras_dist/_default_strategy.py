@@ -111,5 +111,3 @@ def default_strategy() -> Strategy:
 
 def is_default_strategy(strategy) -> bool:
     return isinstance(strategy, _DefaultStrategy)
-
-

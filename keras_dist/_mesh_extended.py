@@ -135,9 +135,7 @@ class MeshExtended(StrategyExtended):
             jax.device_put(jnp.reshape(jnp.asarray(c), (1,) + shape), d)
             for c, d in zip(components, self._devices)
         ]
-        return jax.make_array_from_single_device_arrays(
-            (len(arrays),) + shape, self._split, arrays
-        )
+        return jax.make_array_from_single_device_arrays((len(arrays),) + shape, self._split, arrays)
 
     def _as_stacked(self, value: DistributedValues):
         stacked = value._stacked
@@ -272,7 +270,8 @@ class MeshExtended(StrategyExtended):
         kwargs = kwargs or {}
         frame = _context.current_frame()
         per_replica = [
-            a for a in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_dv)
+            a
+            for a in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_dv)
             if isinstance(a, PerReplica)
         ]
         if per_replica and isinstance(var, SyncOnReadVariable):
@@ -290,7 +289,9 @@ class MeshExtended(StrategyExtended):
                 (args, kwargs),
                 is_leaf=_is_dv,
             )
-            with _context.push(_context.Frame(strategy, frame.engine.replica_context, engine=frame.engine)):
+            with _context.push(
+                _context.Frame(strategy, frame.engine.replica_context, engine=frame.engine)
+            ):
                 return fn(var, *local[0], **local[1])
         results = []
         for i in range(self._num_local_replicas):
@@ -330,7 +331,9 @@ class MeshExtended(StrategyExtended):
         if not isinstance(value, DistributedValues):
             value = Mirrored((value,) * self._num_local_replicas, _validate=False)
         target = self._devices[0]
-        return jnp.concatenate([jax.device_put(jnp.asarray(c), target) for c in value.values], axis=axis)
+        return jnp.concatenate(
+            [jax.device_put(jnp.asarray(c), target) for c in value.values], axis=axis
+        )
 
     def _distribute_values_from_function(self, value_fn):
         n = self._num_replicas_in_sync

@@ -39,9 +39,7 @@ def apply_in_replica_context(replica_context, original_apply, optimizer, grads, 
             return strategy.extended.update(variables, apply, args=(summed,))
         return _apply_for_stateless_scopes(strategy, apply, variables, summed, scopes)
 
-    return replica_context.merge_call(
-        merge_fn, args=([grads[i] for i in present], scope)
-    )
+    return replica_context.merge_call(merge_fn, args=([grads[i] for i in present], scope))
 
 
 def _apply_for_stateless_scopes(strategy, apply, variables, summed, scopes):

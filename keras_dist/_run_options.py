@@ -12,7 +12,8 @@ class RunOptions:
     so that TF code runs unchanged.
 
     >>> RunOptions(experimental_enable_dynamic_batch_size=False)
-    RunOptions(experimental_enable_dynamic_batch_size=False, experimental_bucketizing_dynamic_shape=False, experimental_xla_options=None)
+    ... # doctest: +ELLIPSIS
+    RunOptions(experimental_enable_dynamic_batch_size=False, ...)
     """
 
     experimental_enable_dynamic_batch_size: bool = True

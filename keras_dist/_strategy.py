@@ -16,8 +16,7 @@ from keras_dist._reduce_op import ReduceOp
 from keras_dist._values import DistributedValues
 
 _CROSS_REPLICA_ONLY = (
-    "Method requires being in cross-replica context, use "
-    "get_replica_context().merge_call()"
+    "Method requires being in cross-replica context, use get_replica_context().merge_call()"
 )
 
 
@@ -152,11 +151,11 @@ class Strategy:
         return DistributedDataset.from_global_batches(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """Calls ``dataset_fn(InputContext)`` per input pipeline; each replica reads its own batches."""
+        """Calls ``dataset_fn(InputContext)`` per pipeline; replicas take its batches in turn."""
         return DistributedDataset.from_function(self, dataset_fn, options)
 
     def experimental_make_numpy_dataset(self, numpy_input):
-        """A dataset of the rows of ``numpy_input`` (a nest of arrays); batch it with ``.batch(n)``."""
+        """A dataset of the rows of ``numpy_input`` (a nest of arrays); ``.batch(n)`` batches it."""
         return NumpyDataset(numpy_input)
 
     def _input_context(self) -> InputContext:
@@ -281,7 +280,7 @@ class StrategyExtended:
         raise NotImplementedError
 
     def update(self, var, fn, args=(), kwargs=None, group=True):
-        """Runs ``fn(var, *args, **kwargs)`` to update ``var`` on every replica. Cross-replica only."""
+        """Runs ``fn(var, *args, **kwargs)`` to update ``var`` everywhere. Cross-replica only."""
         raise NotImplementedError
 
     def colocate_vars_with(self, colocate_with_variable):

@@ -33,9 +33,7 @@ class DistributedValues:
     (1.0, 2.0)
     """
 
-    def __init__(
-        self, values, *, _stacked=None, _replicated=None, _traced=None, _validate=True
-    ):
+    def __init__(self, values, *, _stacked=None, _replicated=None, _traced=None, _validate=True):
         if values is not None:
             values = tuple(values)
             if _validate:

@@ -241,7 +241,9 @@ class SyncOnReadVariable(DistributedVariable):
             )
         else:
             sign = 1 if kind == "assign_add" else -1
-            components = [c + sign * jnp.asarray(value, self.dtype) for c in self._local_components()]
+            components = [
+                c + sign * jnp.asarray(value, self.dtype) for c in self._local_components()
+            ]
             self._set_components(components)
         return value
 
@@ -284,5 +286,3 @@ def numpy_components(variable) -> list:
         n = variable._distribute_strategy.num_replicas_in_sync
         return [np.asarray(variable._component(i)) for i in range(n)]
     return [np.asarray(variable.value)]
-
-

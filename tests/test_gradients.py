@@ -49,10 +49,12 @@ class _BatchMean(keras.layers.Layer):
     """Keeps running statistics of its inputs in variables of each aggregation."""
 
     def build(self, input_shape):
-        self.mean = self.add_weight(shape=(), initializer="zeros", aggregation="mean",
-                                    trainable=False)
-        self.total = self.add_weight(shape=(), initializer="zeros", aggregation="sum",
-                                     trainable=False)
+        self.mean = self.add_weight(
+            shape=(), initializer="zeros", aggregation="mean", trainable=False
+        )
+        self.total = self.add_weight(
+            shape=(), initializer="zeros", aggregation="sum", trainable=False
+        )
         self.scale = self.add_weight(shape=(), initializer="ones")
 
     def call(self, x):

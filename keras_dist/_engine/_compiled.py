@@ -328,7 +328,9 @@ class CompiledEngine:
             record.unmapped = dict(scope.unmapped)
             new_mirrored = [scope.state_mapping[id(v)] for v in mirrored]
             new_sync_on_read = [jnp.asarray(scope.state_mapping[id(v)])[None] for v in sync_on_read]
-            out_leaves, out_treedef = jax.tree_util.tree_flatten(outputs, is_leaf=lambda x: x is None)
+            out_leaves, out_treedef = jax.tree_util.tree_flatten(
+                outputs, is_leaf=lambda x: x is None
+            )
             arrays, layout = [], []
             for leaf in out_leaves:
                 if _is_array_like(leaf):

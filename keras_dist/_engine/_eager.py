@@ -203,5 +203,3 @@ def _is_leaf(x):
     from keras_dist._keras_hooks import KerasVariable
 
     return isinstance(x, (DistributedValues, KerasVariable))
-
-
