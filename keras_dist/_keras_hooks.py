@@ -72,12 +72,28 @@ class StrategyDistribution(distribution_lib.Distribution):
 
 
 _original_initialize_layout = JaxVariable._initialize_layout
+_original_init = JaxVariable.__init__
 
 
 def install_variable_hook() -> None:
-    """Sends every variable created under a strategy through its policy."""
+    """Sends every variable created under a strategy through its policy.
+
+    A variable that the policy marks as another replica's copy of replica 0's
+    variable (eager replicas each run the creating code) shares replica 0's
+    state once Keras has finished constructing it: both objects then are the
+    same variable.
+    """
     if getattr(JaxVariable._initialize_layout, "_keras_dist_hook", False):
         return
+
+    @functools.wraps(_original_init)
+    def __init__(self, *args, **kwargs):
+        _original_init(self, *args, **kwargs)
+        primary = self.__dict__.pop("_keras_dist_primary", None)
+        if primary is not None:
+            self.__dict__ = primary.__dict__
+
+    JaxVariable.__init__ = __init__
 
     @functools.wraps(_original_initialize_layout)
     def _initialize_layout(self):

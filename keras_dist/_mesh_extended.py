@@ -96,6 +96,11 @@ class MeshExtended(StrategyExtended):
         cls = SyncOnReadVariable if variable.synchronization == "on_read" else MirroredVariable
         set_variable_class(variable, cls)
         variable._distribute_strategy = self._container_strategy()
+        engine = _context.current_frame().engine
+        primary = engine.primary_for(variable) if hasattr(engine, "primary_for") else None
+        if primary is not None:
+            variable._keras_dist_primary = primary
+            return self._replicated
         self._variable_refs.append(weakref.ref(variable, self._forget_variable))
         self._variables_version += 1
         return self._replicated

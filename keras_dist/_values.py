@@ -243,11 +243,16 @@ def regroup(per_replica_structures: list, wrap=PerReplica, always_wrap=False):
         all_leaves.append(leaves)
     grouped = []
     for column in zip(*all_leaves):
-        if not always_wrap and all(c is column[0] for c in column):
+        if not always_wrap and all(_same(c, column[0]) for c in column):
             grouped.append(column[0])
         else:
             grouped.append(wrap(column, _validate=False))
     return jax.tree_util.tree_unflatten(treedef, grouped)
+
+
+def _same(a, b) -> bool:
+    """The same object, or two handles of one variable (see ``_keras_hooks``)."""
+    return a is b or (_is_keras_variable(a) and _is_keras_variable(b) and a.__dict__ is b.__dict__)
 
 
 def _is_leaf(x):

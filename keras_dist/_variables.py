@@ -52,6 +52,13 @@ class DistributedVariable(BackendVariable):
             return None
         return replica_context
 
+    def _in_keras_stateless_code(self):
+        """Keras's own stateless code (symbolic builds, ``stateless_call``) outside our engines.
+
+        It only records updates in its scope; aggregation rules do not apply.
+        """
+        return get_stateless_scope() is not None and _context.current_frame().engine is None
+
     def _deferred(self, kind, value):
         """Inside ``value_and_grad``: write locally now, aggregate after the gradient.
 
@@ -114,7 +121,7 @@ class MirroredVariable(DistributedVariable):
         return cached[1][index]
 
     def _write(self, kind, value):
-        if self._deferred(kind, value):
+        if self._deferred(kind, value) or self._in_keras_stateless_code():
             return self._plain_write(kind, value)
         replica_context = self._replica_context()
         if replica_context is not None:
@@ -207,7 +214,7 @@ class SyncOnReadVariable(DistributedVariable):
         return cached[1]
 
     def _write(self, kind, value):
-        if self._deferred(kind, value):
+        if self._deferred(kind, value) or self._in_keras_stateless_code():
             return self._plain_write(kind, value)
         frame = _context.current_frame()
         replica_context = self._replica_context()

@@ -168,7 +168,7 @@ def test_variable_made_in_run_with_random_initializer_has_equal_components(synch
     assert first == second
 
 
-def test_variable_made_unguarded_in_replica_fn(engine, request):
+def test_variable_made_unguarded_in_replica_fn(engine):
     # mirrored_strategy_test::testThreeDevices: a variable made in the replica fn.
     strategy = _strategy(3)
 
@@ -183,15 +183,8 @@ def test_variable_made_unguarded_in_replica_fn(engine, request):
         with pytest.raises(RuntimeError, match="kept creating new variables on every trace"):
             strategy.run(fn)
         return
-    request.applymarker(
-        pytest.mark.xfail(
-            strict=True,
-            reason="The eager engine calls the replica fn once per replica thread and "
-            "keras.Variable cannot hand back an existing object, so each replica makes "
-            "its own MirroredVariable; TF shares replica 0's by name "
-            "(shared_variable_creator).",
-        )
-    )
+    # Eager replicas each run the function; as TF's shared_variable_creator does,
+    # replicas 1.. get replica 0's variable.
     result = strategy.run(fn)
     assert isinstance(result, kd.MirroredVariable)
     assert result.name == "foo"

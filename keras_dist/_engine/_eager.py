@@ -32,8 +32,9 @@ class _ReplicaAborted(BaseException):
 
 
 class _ReplicaThread(threading.Thread):
-    def __init__(self, engine, index, device, fn, args, kwargs):
+    def __init__(self, engine, index, device, fn, args, kwargs, created):
         super().__init__(name=f"keras_dist-replica-{index}", daemon=True)
+        self.created = created  # variables each replica made in this run
         self.engine = engine
         self.index = index
         self.device = device
@@ -81,6 +82,20 @@ class _EagerReplica:
     def __init__(self, thread):
         self._thread = thread
 
+    def primary_for(self, variable):
+        """Replica 0's counterpart of a variable another replica creates, if any.
+
+        Each replica thread runs the function, so a variable created inside it is
+        created once per replica; as TF's MirroredStrategy does, the k-th
+        variable a replica creates is replica 0's k-th (see ``_keras_hooks``).
+        """
+        thread = self._thread
+        mine = thread.created[thread.index]
+        mine.append(variable)
+        if thread.index == 0 or len(mine) > len(thread.created[0]):
+            return None
+        return thread.created[0][len(mine) - 1]
+
     def merge_call(self, replica_context, merge_fn, args, kwargs):
         return self._thread.merge(merge_fn, args, kwargs)
 
@@ -124,9 +139,12 @@ class EagerEngine:
         extended = self._extended
         strategy = extended._container_strategy()
         threads = []
+        created = [[] for _ in extended._devices]
         for index, device in enumerate(extended._devices):
             local_args, local_kwargs = _select(index, device, (args, kwargs))
-            threads.append(_ReplicaThread(self, index, device, fn, local_args, local_kwargs))
+            threads.append(
+                _ReplicaThread(self, index, device, fn, local_args, local_kwargs, created)
+            )
         for thread in threads:
             thread.start()
         try:
