@@ -90,7 +90,8 @@ def jit_runner(devices, batches, initial_weights):
 
     def loss_fn(params, x, y):
         logits = forward(params, x)
-        per_example = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=-1)[:, 0]
+        # The same math as Keras's sparse categorical cross-entropy (one-hot, no gather).
+        per_example = -jnp.sum(jax.nn.one_hot(y, logits.shape[-1]) * jax.nn.log_softmax(logits), -1)
         return jnp.sum(per_example) / global_batch
 
     def step(params, momentum, x, y):
