@@ -33,6 +33,7 @@ from keras_dist._input import InputContext as InputContext  # noqa: E402
 from keras_dist._input import InputOptions as InputOptions  # noqa: E402
 from keras_dist._input import InputReplicationMode as InputReplicationMode  # noqa: E402
 from keras_dist._keras_hooks import install_optimizer_hook  # noqa: E402
+from keras_dist._keras_hooks import install_trainer_hook  # noqa: E402
 from keras_dist._keras_hooks import install_variable_hook  # noqa: E402
 from keras_dist._mirrored import MirroredStrategy as MirroredStrategy  # noqa: E402
 from keras_dist._mirrored import OneDeviceStrategy as OneDeviceStrategy  # noqa: E402
@@ -49,6 +50,7 @@ from keras_dist._variables import SyncOnReadVariable as SyncOnReadVariable  # no
 
 install_optimizer_hook()
 install_variable_hook()
+install_trainer_hook()
 
 __version__ = "0.1.0"
 

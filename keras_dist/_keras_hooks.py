@@ -18,6 +18,7 @@ fails loudly when a Keras release moves one of them.
 """
 
 import functools
+import threading
 
 from keras.src.backend.common import global_state
 from keras.src.backend.common.stateless_scope import StatelessScope
@@ -35,7 +36,9 @@ __all__ = [
     "current_mapping",
     "get_stateless_scope",
     "initialize_pending_variables",
+    "building_batch_norm",
     "install_optimizer_hook",
+    "install_trainer_hook",
     "install_variable_hook",
     "pending_variables",
 ]
@@ -186,3 +189,160 @@ def install_optimizer_hook() -> None:
 
     apply._keras_dist_hook = True
     base_optimizer.BaseOptimizer.apply = apply
+
+
+# ----------------------------------------------------------------------------
+# Trainer: fit / evaluate / predict of a model created under a strategy.
+# Keras's JAX loops stay; the step functions, the state handling and the data
+# iterator are ours (see ``_fit.py``). Internals used: ``JAXTrainer.make_*_function``
+# and ``_get_jax_state``, ``JAXEpochIterator._get_iterator``,
+# ``Trainer.get_metrics_result`` and ``Trainer.compile``.
+
+
+def _strategy_of(model):
+    from keras_dist._fit import model_strategy
+
+    return model_strategy(model)
+
+
+def _wrap_loop(original):
+    """Runs a Keras loop inside the model's strategy scope (variables it creates are distributed)."""
+
+    @functools.wraps(original)
+    def loop(self, *args, **kwargs):
+        from keras_dist._fit import check_fit_context
+
+        strategy = _strategy_of(self)
+        if strategy is None:
+            check_fit_context(self)
+            return original(self, *args, **kwargs)
+        with strategy.scope():
+            return original(self, *args, **kwargs)
+
+    loop._keras_dist_hook = True
+    return loop
+
+
+def _steps(model, strategy):
+    from keras_dist._fit import DistributedSteps
+
+    steps = getattr(model, "_keras_dist_steps", None)
+    if steps is None or steps.strategy is not strategy:
+        steps = DistributedSteps(model, strategy)
+        object.__setattr__(model, "_keras_dist_steps", steps)
+    return steps
+
+
+def _wrap_make_function(original, attribute):
+    @functools.wraps(original)
+    def make_function(self, force=False):
+        strategy = _strategy_of(self)
+        if strategy is None:
+            return original(self, force)
+        if getattr(self, attribute) is None or force:
+            setattr(self, attribute, getattr(_steps(self, strategy), attribute))
+        return getattr(self, attribute)
+
+    return make_function
+
+
+def _wrap_get_jax_state(original):
+    @functools.wraps(original)
+    def get_jax_state(self, **groups):
+        if _strategy_of(self) is None:
+            return original(self, **groups)
+        # Our steps read and write the variables themselves: an empty list per
+        # requested group keeps Keras's unpacking and syncing no-ops.
+        wanted = ("trainable_variables", "non_trainable_variables")
+        wanted += ("optimizer_variables", "metrics_variables")
+        return tuple([] for name in wanted if groups.get(name))
+
+    return get_jax_state
+
+
+def _wrap_get_iterator(original):
+    @functools.wraps(original)
+    def get_iterator(self):
+        if isinstance(distribution_lib.distribution(), StrategyDistribution):
+            # Host batches: the strategy splits and places them itself.
+            return self.data_adapter.get_numpy_iterator()
+        return original(self)
+
+    return get_iterator
+
+
+def _wrap_get_metrics_result(original):
+    @functools.wraps(original)
+    def get_metrics_result(self):
+        from keras_dist import _context
+
+        frame = _context.current_frame()
+        replica_context = frame.replica_context
+        if replica_context is not None and getattr(frame.engine, "compiled", False):
+            # As tf.keras's metric results: read in a merge_call, aggregated.
+            return replica_context.merge_call(lambda _: original(self))
+        return original(self)
+
+    return get_metrics_result
+
+
+def _wrap_compile(original):
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        from keras_dist import _context
+        from keras_dist._default_strategy import is_default_strategy
+
+        strategy = _context.get_strategy()
+        if not is_default_strategy(strategy):
+            object.__setattr__(self, "_keras_dist_strategy", strategy)
+        return original(self, *args, **kwargs)
+
+    return compile
+
+
+_batch_norm_building = threading.local()
+
+
+def building_batch_norm() -> bool:
+    """Whether variables are being created by ``BatchNormalization.build``."""
+    return getattr(_batch_norm_building, "active", False)
+
+
+def _wrap_batch_norm_build(original):
+    @functools.wraps(original)
+    def build(self, input_shape):
+        _batch_norm_building.active = True
+        try:
+            return original(self, input_shape)
+        finally:
+            _batch_norm_building.active = False
+
+    return build
+
+
+def install_trainer_hook() -> None:
+    """Routes the training loops of models created under a strategy through ``_fit``."""
+    from keras.src.backend.jax import trainer as jax_trainer
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+    from keras.src.trainers import trainer as base_trainer
+
+    cls = jax_trainer.JAXTrainer
+    if getattr(cls.fit, "_keras_dist_hook", False):
+        return
+    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch"):
+        setattr(cls, name, _wrap_loop(getattr(cls, name)))
+    setattr(cls, "predict_on_batch", _wrap_loop(cls.predict_on_batch))
+    for name, attribute in (
+        ("make_train_function", "train_function"),
+        ("make_test_function", "test_function"),
+        ("make_predict_function", "predict_function"),
+    ):
+        setattr(cls, name, _wrap_make_function(getattr(cls, name), attribute))
+    cls._get_jax_state = _wrap_get_jax_state(cls._get_jax_state)
+    epoch_iterator = jax_trainer.JAXEpochIterator
+    epoch_iterator._get_iterator = _wrap_get_iterator(epoch_iterator._get_iterator)
+    base_trainer.Trainer.get_metrics_result = _wrap_get_metrics_result(
+        base_trainer.Trainer.get_metrics_result
+    )
+    base_trainer.Trainer.compile = _wrap_compile(base_trainer.Trainer.compile)
+    BatchNormalization.build = _wrap_batch_norm_build(BatchNormalization.build)

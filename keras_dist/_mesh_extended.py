@@ -25,6 +25,7 @@ from keras_dist._engine._eager import EagerEngine
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._gate import needs_serializing
 from keras_dist._keras_hooks import StrategyDistribution
+from keras_dist._keras_hooks import building_batch_norm
 from keras_dist._keras_hooks import set_variable_class
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
@@ -93,6 +94,10 @@ class MeshExtended(StrategyExtended):
         """Keras's variable-creation hook: distributed class, registry, sharding."""
         if isinstance(variable, DistributedVariable):
             return self._replicated
+        if building_batch_norm() and not variable.trainable:
+            # tf.keras keeps batch-norm statistics per replica (ON_READ, MEAN);
+            # Keras 3 makes them plain variables. Under a strategy, TF's choice.
+            variable._synchronization, variable._aggregation = "on_read", "mean"
         cls = SyncOnReadVariable if variable.synchronization == "on_read" else MirroredVariable
         set_variable_class(variable, cls)
         variable._distribute_strategy = self._container_strategy()

@@ -115,6 +115,15 @@ class ReplicaContext:
         if aggregation == "none" and getattr(self._engine, "compiled", False):
             # Every replica writes the same value (TF2's rule): no collective.
             return variable._plain_write(kind, value)
+        if self._eager_index is not None and variable._scope_value() is not None:
+            # Keras's stateless code on an eager replica keeps the value in its
+            # own scope, out of reach of a merge_fn on another thread: combine
+            # the values here, then write them into that scope.
+            if aggregation in ("sum", "mean"):
+                value = self.all_reduce(ReduceOp.from_variable_aggregation(aggregation), value)
+            elif aggregation == "only_first_replica":
+                value = self.merge_call(lambda s, v: _first_replica_value(s, v), args=(value,))
+            return variable._plain_write(kind, value)
 
         def merge_fn(strategy, value):
             if aggregation in ("none", "only_first_replica"):
@@ -139,3 +148,9 @@ class ReplicaContext:
             f"ReplicaContext(strategy={type(self._strategy).__name__}, "
             f"replica_id_in_sync_group={self._replica_id_in_sync_group!r})"
         )
+
+
+def _first_replica_value(strategy, value):
+    if isinstance(value, DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value

@@ -19,6 +19,7 @@ replica thread, from that replica's device; elsewhere, from storage.
 
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from keras.src.backend import Variable as BackendVariable
@@ -209,6 +210,8 @@ class SyncOnReadVariable(DistributedVariable):
             reduced = self._distribute_strategy.extended._reduce_stacked(
                 self.aggregation, self._stacked
             )
+            if isinstance(reduced, jax.core.Tracer):
+                return reduced  # read while Keras traces something: never cache tracers
             cached = (self._stacked, reduced)
             self._aggregate_cache = cached
         return cached[1]
@@ -221,8 +224,9 @@ class SyncOnReadVariable(DistributedVariable):
         if isinstance(value, DistributedValues) and not isinstance(value, PerReplica):
             value = self._distribute_strategy.extended._unwrap_mirrored(value)
         if replica_context is not None:
-            if replica_context._eager_index is not None:
+            if replica_context._eager_index is not None and self._scope_value() is None:
                 return self._write_component(replica_context._eager_index, kind, value)
+            # The replica's component, where its code keeps it (a stateless scope).
             return self._plain_write(kind, value)
         if isinstance(value, PerReplica):
             return self._distribute_strategy.extended.update(

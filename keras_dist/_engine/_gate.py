@@ -41,9 +41,9 @@ class ExecutionGate:
 
 def _first_array(tree):
     for leaf in jax.tree_util.tree_leaves(tree):
-        if isinstance(leaf, jax.Array):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             return leaf
-    return None
+    return None  # also when called while tracing: nothing runs yet
 
 
 GATE = ExecutionGate()

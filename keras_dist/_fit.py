@@ -1,0 +1,253 @@
+"""``model.fit`` / ``evaluate`` / ``predict`` of a model created under a strategy.
+
+Keras's own loops run unchanged (callbacks, progress bar, History,
+validation, ``steps_per_execution``); only the step functions differ. Each
+step runs Keras's own ``train_step`` / ``test_step`` / ``predict_step`` on
+every replica through ``strategy.run``:
+
+* The replica's loss is scaled by ``local_rows / global_rows`` for the
+  gradient (``1 / num_replicas`` for even batches, as TF), so the optimizer's
+  SUM of gradients is the gradient of the global-batch loss; regularization
+  losses are counted once. Reported losses and metrics are unscaled.
+* The optimizer's ``apply`` in a replica is the tf.distribute pattern
+  (``merge_call`` -> ``batch_reduce_to(SUM)`` -> apply once), so clipping and
+  loss scaling see the summed gradients.
+* Metrics are SyncOnRead variables; logs read them aggregated.
+* A partial last batch is split between replicas as evenly as possible, each
+  replica processing only real rows (the eager engine runs it): losses and
+  every metric (AUC, Precision, ...) equal one device's. ``predict`` pads the
+  batch and drops the padding: one output row per input row.
+
+Keras's trainer is reached only through ``_keras_hooks.install_trainer_hook``.
+"""
+
+import jax
+import numpy as np
+
+from keras_dist import _context
+from keras_dist._input import _GlobalBatchSplitter
+from keras_dist._values import PerReplica
+
+
+def model_strategy(model):
+    """The strategy a model was created (or compiled) under, or ``None``."""
+    from keras_dist._variables import DistributedVariable
+
+    recorded = getattr(model, "_keras_dist_strategy", None)
+    strategies = {
+        id(v._distribute_strategy): v._distribute_strategy
+        for v in model.variables
+        if isinstance(v, DistributedVariable)
+    }
+    if recorded is not None:
+        strategies.setdefault(id(recorded), recorded)
+    if len(strategies) > 1:
+        raise ValueError(
+            "The model's variables were created under different strategies. Create "
+            "the model, its optimizer and metrics in one `strategy.scope()`. "
+            f"Received: strategies={list(strategies.values())}"
+        )
+    strategy = next(iter(strategies.values()), None)
+    if strategy is not None:
+        plain = [v.path for v in model.variables if not isinstance(v, DistributedVariable)]
+        if plain:
+            raise ValueError(
+                f"Some of the model's variables were created outside `{strategy!r}.scope()` "
+                f"and cannot be distributed: {plain[:5]}. Create and build the model "
+                "inside `with strategy.scope():`. Received: variables outside the scope="
+                f"{len(plain)}"
+            )
+    return strategy
+
+
+def check_fit_context(model):
+    """Raises when a model built outside any strategy is trained inside a scope."""
+    current = _context.get_strategy()
+    from keras_dist._default_strategy import is_default_strategy
+
+    if not is_default_strategy(current):
+        raise ValueError(
+            f"This model was created outside any strategy scope, but `fit`, `evaluate` "
+            f"or `predict` was called inside `{current!r}.scope()`. Create the model "
+            "(and compile it) inside `with strategy.scope():` so that its variables are "
+            "distributed. Received: a model with plain Keras variables."
+        )
+
+
+def _rows(data) -> int:
+    leaves = [x for x in jax.tree_util.tree_leaves(data) if np.ndim(x) > 0]
+    return int(np.shape(leaves[0])[0])
+
+
+def _first_component(value):
+    """One replica's copy of a value every replica computed identically."""
+    if isinstance(value, PerReplica):
+        if value._stacked is not None:
+            return value._stacked.addressable_data(0)[0]
+        return value.values[0]
+    return value
+
+
+class DistributedSteps:
+    """The train/test/predict functions Keras's loops call, for one model and strategy."""
+
+    def __init__(self, model, strategy):
+        self.model = model
+        self.strategy = strategy
+        self._split = _GlobalBatchSplitter(strategy.extended)
+        self._predict_rows = None
+
+    # Keras's loops call ``fn(state, iterator)`` and unpack ``(logs, state)``;
+    # our state lives in the variables, so ``state`` passes through untouched.
+    def train_function(self, state, iterator):
+        return self._loop(self._train_batch, iterator), state
+
+    def test_function(self, state, iterator):
+        return self._loop(self._test_batch, iterator), state
+
+    def predict_function(self, state, iterator):
+        outputs = [self._predict_batch(data) for data in self._batches(iterator)]
+        if len(outputs) == 1:
+            return outputs[0], state
+        return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs), state
+
+    def _batches(self, iterator):
+        yield next(iterator)  # StopIteration here ends the epoch (Keras catches it)
+        for _ in range(self.model.steps_per_execution - 1):
+            try:
+                yield next(iterator)
+            except StopIteration:
+                return
+
+    def _loop(self, step, iterator):
+        logs = None
+        for data in self._batches(iterator):
+            logs = step(data)
+        return logs
+
+    # ------------------------------------------------------------------ train
+    def _train_batch(self, data):
+        rows = _rows(data)
+        logs = self.strategy.run(self._replica_train_step, args=(self._split(data), rows))
+        return self._logs(logs)
+
+    def _replica_train_step(self, data, global_rows):
+        model = self.model
+        state = (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            [v.value for v in model.optimizer.variables],
+            [v.value for v in model.metrics_variables],
+        )
+        scale = _rows(data) / global_rows
+        with _scaled_loss(model.optimizer, scale):
+            logs, new_state = model.train_step(state, data)
+        _assign(model.trainable_variables, new_state[0])
+        _assign(model.non_trainable_variables, new_state[1])
+        _assign(model.optimizer.variables, new_state[2])
+        _assign(model.metrics_variables, new_state[3])
+        return logs
+
+    # ------------------------------------------------------------------- test
+    def _test_batch(self, data):
+        logs = self.strategy.run(self._replica_test_step, args=(self._split(data),))
+        return self._logs(logs)
+
+    def _replica_test_step(self, data):
+        model = self.model
+        state = (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            [v.value for v in model.metrics_variables],
+        )
+        logs, new_state = model.test_step(state, data)
+        _assign(model.non_trainable_variables, new_state[1])
+        _assign(model.metrics_variables, new_state[2])
+        return logs
+
+    def _logs(self, per_replica_logs):
+        """Logs of a compiled step are aggregated in it; eager ones are read after."""
+        logs = jax.tree_util.tree_map(
+            _first_component, per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+        if _had_uneven(per_replica_logs):
+            logs = self.model.get_metrics_result()
+        return logs
+
+    # ---------------------------------------------------------------- predict
+    def _predict_batch(self, data):
+        rows = _rows(data)
+        n = self.strategy.extended._num_local_replicas
+        # Pad to the first batch's size (one compiled program for every batch,
+        # the last included), rounded up to a multiple of the replica count.
+        if self._predict_rows is None or rows > self._predict_rows:
+            self._predict_rows = -(-rows // n) * n
+        padded = jax.tree_util.tree_map(
+            lambda x: _pad_rows(np.asarray(x), self._predict_rows), data
+        )
+        outputs = self.strategy.run(self._replica_predict_step, args=(self._split(padded),))
+        return jax.tree_util.tree_map(
+            lambda v: _concatenate_replicas(v)[:rows],
+            outputs,
+            is_leaf=lambda x: isinstance(x, PerReplica),
+        )
+
+    def _replica_predict_step(self, data):
+        model = self.model
+        state = (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+        )
+        outputs, _ = model.predict_step(state, data)
+        return outputs
+
+
+def _had_uneven(per_replica_logs) -> bool:
+    return any(
+        isinstance(v, PerReplica) and v._stacked is None
+        for v in jax.tree_util.tree_leaves(
+            per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+    )
+
+
+def _pad_rows(x, rows):
+    if x.ndim == 0 or x.shape[0] == rows:
+        return x
+    padding = np.repeat(x[-1:], rows - x.shape[0], axis=0)
+    return np.concatenate([x, padding])
+
+
+def _concatenate_replicas(value):
+    if isinstance(value, PerReplica):
+        if value._stacked is not None:
+            stacked = np.asarray(value._stacked)
+            return stacked.reshape((-1,) + stacked.shape[2:])
+        return np.concatenate([np.asarray(c) for c in value.values])
+    return np.asarray(value)
+
+
+def _assign(variables, values):
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+class _scaled_loss:
+    """Scales the loss Keras differentiates (not the one it reports) inside a replica.
+
+    Keras's JAX ``train_step`` takes the gradient of
+    ``optimizer.scale_loss(loss)`` and reports the unscaled loss: the right
+    place to add the replica's share of the global batch.
+    """
+
+    def __init__(self, optimizer, scale):
+        self.optimizer = optimizer
+        self.scale = scale
+
+    def __enter__(self):
+        original = type(self.optimizer).scale_loss.__get__(self.optimizer)
+        scale = self.scale
+        self.optimizer.__dict__["scale_loss"] = lambda loss: original(loss) * scale
+
+    def __exit__(self, *exc_info):
+        self.optimizer.__dict__.pop("scale_loss", None)
