@@ -206,7 +206,7 @@ def _strategy_of(model):
 
 
 def _wrap_loop(original):
-    """Runs a Keras loop inside the model's strategy scope (variables it creates are distributed)."""
+    """Runs a Keras loop in the model's strategy scope, so variables it creates are distributed."""
 
     @functools.wraps(original)
     def loop(self, *args, **kwargs):
@@ -329,9 +329,9 @@ def install_trainer_hook() -> None:
     cls = jax_trainer.JAXTrainer
     if getattr(cls.fit, "_keras_dist_hook", False):
         return
-    for name in ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch"):
+    loops = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+    for name in loops:
         setattr(cls, name, _wrap_loop(getattr(cls, name)))
-    setattr(cls, "predict_on_batch", _wrap_loop(cls.predict_on_batch))
     for name, attribute in (
         ("make_train_function", "train_function"),
         ("make_test_function", "test_function"),
