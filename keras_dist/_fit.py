@@ -119,6 +119,12 @@ class DistributedSteps:
             except StopIteration:
                 return
 
+    def _run(self, fn, *args):
+        """``strategy.run``; eagerly when the model was compiled with ``run_eagerly=True``."""
+        if self.model.run_eagerly or not self.model.jit_compile:
+            return self.strategy.extended._eager.run(fn, args, {})
+        return self.strategy.run(fn, args=args)
+
     def _loop(self, step, iterator):
         logs = None
         for data in self._batches(iterator):
@@ -128,7 +134,7 @@ class DistributedSteps:
     # ------------------------------------------------------------------ train
     def _train_batch(self, data):
         rows = _rows(data)
-        logs = self.strategy.run(self._replica_train_step, args=(self._split(data), rows))
+        logs = self._run(self._replica_train_step, self._split(data), rows)
         return self._logs(logs)
 
     def _replica_train_step(self, data, global_rows):
@@ -150,7 +156,7 @@ class DistributedSteps:
 
     # ------------------------------------------------------------------- test
     def _test_batch(self, data):
-        logs = self.strategy.run(self._replica_test_step, args=(self._split(data),))
+        logs = self._run(self._replica_test_step, self._split(data))
         return self._logs(logs)
 
     def _replica_test_step(self, data):
@@ -167,12 +173,11 @@ class DistributedSteps:
 
     def _logs(self, per_replica_logs):
         """Logs of a compiled step are aggregated in it; eager ones are read after."""
-        logs = jax.tree_util.tree_map(
+        if _had_uneven(per_replica_logs) or self.model.run_eagerly or not self.model.jit_compile:
+            return self.model.get_metrics_result()
+        return jax.tree_util.tree_map(
             _first_component, per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)
         )
-        if _had_uneven(per_replica_logs):
-            logs = self.model.get_metrics_result()
-        return logs
 
     # ---------------------------------------------------------------- predict
     def _predict_batch(self, data):
@@ -185,7 +190,7 @@ class DistributedSteps:
         padded = jax.tree_util.tree_map(
             lambda x: _pad_rows(np.asarray(x), self._predict_rows), data
         )
-        outputs = self.strategy.run(self._replica_predict_step, args=(self._split(padded),))
+        outputs = self._run(self._replica_predict_step, self._split(padded))
         return jax.tree_util.tree_map(
             lambda v: _concatenate_replicas(v)[:rows],
             outputs,
