@@ -15,6 +15,7 @@ ensure_jax_backend()
 
 from keras_dist import config as config  # noqa: E402
 from keras_dist import experimental as experimental  # noqa: E402
+from keras_dist import layers as layers  # noqa: E402
 from keras_dist import nn as nn  # noqa: E402
 from keras_dist._context import experimental_set_strategy as experimental_set_strategy  # noqa: E402
 from keras_dist._context import get_cross_replica_context as get_cross_replica_context  # noqa: E402
@@ -84,6 +85,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "layers",
     "nn",
     "value_and_grad",
 ]

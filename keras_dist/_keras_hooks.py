@@ -189,6 +189,43 @@ def install_optimizer_hook() -> None:
 
     apply._keras_dist_hook = True
     base_optimizer.BaseOptimizer.apply = apply
+    _install_loss_scale_hook()
+
+
+def _install_loss_scale_hook() -> None:
+    """Makes ``LossScaleOptimizer``'s finite-gradient test agree across replicas.
+
+    Keras's ``LossScaleOptimizer.stateless_apply`` tests the replica's own
+    gradients, then branches (``ops.cond``) into a branch that calls the inner
+    optimizer's ``apply`` (a ``merge_call`` with collectives) or one that only
+    halves the scale. When one replica overflowed and another did not, the
+    replicas took different branches and the collectives never met (XLA aborts
+    the process). TF tests the summed gradients; a gradient sum is finite when
+    every replica's is, so the replicas combine their verdicts.
+    Internal used: ``LossScaleOptimizer.check_finite``.
+    """
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    original = LossScaleOptimizer.check_finite
+    if getattr(original, "_keras_dist_hook", False):
+        return
+
+    @functools.wraps(original)
+    def check_finite(self, grads):
+        from keras.src import ops
+
+        from keras_dist import _context
+        from keras_dist._reduce_op import ReduceOp
+
+        finite = original(self, grads)
+        replica_context = _context.current_frame().replica_context
+        if replica_context is None or replica_context._is_default:
+            return finite
+        non_finite = ops.cast(ops.logical_not(finite), "float32")
+        return ops.equal(replica_context.all_reduce(ReduceOp.SUM, non_finite), 0)
+
+    check_finite._keras_dist_hook = True
+    LossScaleOptimizer.check_finite = check_finite
 
 
 # ----------------------------------------------------------------------------

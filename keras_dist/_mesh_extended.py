@@ -53,7 +53,7 @@ class _VariableState:
 class MeshExtended(StrategyExtended):
     """Extended API over a 1-D mesh of local devices named ``"replica"``."""
 
-    def __init__(self, container_strategy, devices, cross_device_ops=None):
+    def __init__(self, container_strategy, devices, cross_device_ops=None, parameter_device=None):
         super().__init__(container_strategy)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
@@ -64,6 +64,15 @@ class MeshExtended(StrategyExtended):
         self._mesh = Mesh(np.array(self._devices), (AXIS,))
         self._replicated = NamedSharding(self._mesh, P())
         self._split = NamedSharding(self._mesh, P(AXIS))
+        # Where mirrored variables are stored: replicated on every replica's
+        # device, or on one parameter device (central storage).
+        self._parameter_device = parameter_device
+        self._storage = (
+            self._replicated
+            if parameter_device is None
+            # A named sharding (Keras's initializers ask for its mesh).
+            else NamedSharding(Mesh(np.array([parameter_device]), (AXIS,)), P())
+        )
         self._num_local_replicas = len(self._devices)
         self._num_replicas_in_sync = len(self._devices)
         self._serialize = needs_serializing(self._devices)
@@ -83,8 +92,23 @@ class MeshExtended(StrategyExtended):
 
     @property
     def parameter_devices(self) -> tuple:
-        """The devices variables are stored on (every replica's)."""
-        return self.worker_devices
+        """The devices variables are stored on (every replica's, or the central one)."""
+        if self._parameter_device is None:
+            return self.worker_devices
+        return (device_name(self._parameter_device),)
+
+    def _compute_value(self, variable):
+        """A mirrored variable's value as the compiled program takes it: replicated."""
+        return self._replicate(variable._value)
+
+    def _to_storage(self, replicated):
+        """A replicated new value, stored the way this strategy keeps variables."""
+        if self._parameter_device is None:
+            return replicated
+        for shard in replicated.addressable_shards:
+            if shard.device == self._parameter_device:
+                return shard.data
+        return jax.device_put(replicated.addressable_data(0), self._parameter_device)
 
     def _gated(self, fn, *args):
         return GATE.call(self._serialize, fn, *args)
@@ -93,7 +117,7 @@ class MeshExtended(StrategyExtended):
     def _create_variable(self, variable):
         """Keras's variable-creation hook: distributed class, registry, sharding."""
         if isinstance(variable, DistributedVariable):
-            return self._replicated
+            return self._storage
         if building_batch_norm() and not variable.trainable:
             # tf.keras keeps batch-norm statistics per replica (ON_READ, MEAN);
             # Keras 3 makes them plain variables. Under a strategy, TF's choice.
@@ -105,10 +129,10 @@ class MeshExtended(StrategyExtended):
         primary = engine.primary_for(variable) if hasattr(engine, "primary_for") else None
         if primary is not None:
             variable._keras_dist_primary = primary
-            return self._replicated
+            return self._storage
         self._variable_refs.append(weakref.ref(variable, self._forget_variable))
         self._variables_version += 1
-        return self._replicated
+        return self._storage if cls is MirroredVariable else self._replicated
 
     def _forget_variable(self, _ref):
         self._variables_version += 1

@@ -117,7 +117,12 @@ class MirroredVariable(DistributedVariable):
         if cached is None or cached[0] is not self._value:
             by_device = {s.device: s.data for s in self._value.addressable_shards}
             devices = self._distribute_strategy.extended._devices
-            cached = (self._value, [by_device[d] for d in devices])
+            stored = self._value.addressable_data(0)
+            # Centrally stored variables are copied to each replica's device.
+            components = [
+                by_device[d] if d in by_device else jax.device_put(stored, d) for d in devices
+            ]
+            cached = (self._value, components)
             self._components_cache = cached
         return cached[1][index]
 

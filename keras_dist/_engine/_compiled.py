@@ -181,7 +181,8 @@ class _Entry:
         self.out_treedef, self.out_layout, self.has_sum, self.stacked_out = record.out
 
     def __call__(self, dynamic):
-        mirrored = [v._value for v in self.mirrored]
+        extended = self.extended
+        mirrored = [extended._compute_value(v) for v in self.mirrored]
         sync_on_read = [v._stacked for v in self.sync_on_read]
         _copy_shared_buffers(mirrored, sync_on_read)
         foreign = [self.extended._replicate(v.value) for v in self.foreign]
@@ -189,7 +190,7 @@ class _Entry:
             self.compiled, mirrored, sync_on_read, foreign, dynamic
         )
         for variable, value in zip(self.mirrored, new_mirrored):
-            variable._value = value
+            variable._value = extended._to_storage(value)
         for variable, value in zip(self.sync_on_read, new_sync_on_read):
             variable._stacked = value
         return self._outputs(outputs, sums)
@@ -282,7 +283,7 @@ class CompiledEngine:
             )
             jitted = jax.jit(mapped, donate_argnums=(0, 1))
             traced = jitted.trace(
-                [v._value for v in mirrored],
+                [extended._compute_value(v) for v in mirrored],
                 [v._stacked for v in sync_on_read],
                 [extended._replicate(v.value) for v in foreign],
                 dynamic,

@@ -103,6 +103,7 @@ class _EagerReplica:
         leaves, treedef = jax.tree_util.tree_flatten(value)
         # Each replica contributes its own tensors, as TF converts them first.
         leaves = [jnp.asarray(x) for x in leaves]
+        _refuse_traced(leaves, "all_reduce")
 
         def merge_fn(strategy, *values):
             return strategy.extended.batch_reduce_to(reduce_op, [(v, v) for v in values])
@@ -113,6 +114,7 @@ class _EagerReplica:
     def all_gather(self, value, axis):
         leaves, treedef = jax.tree_util.tree_flatten(value)
         leaves = [jnp.asarray(x) for x in leaves]
+        _refuse_traced(leaves, "all_gather")
 
         def merge_fn(strategy, *values):
             return [_broadcast_gather(strategy, v, axis) for v in values]
@@ -122,6 +124,18 @@ class _EagerReplica:
 
     def aggregate_sync_on_read(self, variable, local):
         raise AssertionError("eager replicas read SyncOnRead variables directly")
+
+
+def _refuse_traced(leaves, name):
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        raise RuntimeError(
+            f"`{name}` was called on values being differentiated or traced on an eager "
+            "replica: JAX cannot follow a gradient across the eager engine's replica "
+            "threads. The compiled engine supports it, and is used whenever every "
+            "replica's inputs have the same shape: avoid `run_functions_eagerly(True)` "
+            "here, and make the dataset size a multiple of the global batch size. "
+            f"Received: {len(leaves)} traced value(s)."
+        )
 
 
 def _broadcast_gather(strategy, value, axis):
