@@ -84,6 +84,12 @@ class CrossDeviceOps:
         """Reduces ``leaves`` across the ``"replica"`` axis; call under ``shard_map``."""
         if not leaves:
             return []
+        if num_replicas == 1:
+            return list(leaves)  # nothing to combine; packing would only copy
+        import os
+        if os.environ.get("KD_NOPACK") and type(self) is NcclAllReduce:
+            out = lax.psum(list(leaves), AXIS)
+            return [_divide(o, num_replicas) for o in out] if reduce_op is ReduceOp.MEAN else out
         buffers, unpack = _pack(leaves)
         reduced = [self._reduce_buffer(b, num_replicas) for b in buffers]
         if reduce_op is ReduceOp.MEAN:

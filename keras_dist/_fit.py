@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._fit_uneven import UnevenSteps
 from keras_dist._input import _GlobalBatchSplitter
 from keras_dist._values import PerReplica
 
@@ -96,6 +97,7 @@ class DistributedSteps:
         self.strategy = strategy
         self._split = _GlobalBatchSplitter(strategy.extended)
         self._predict_rows = None
+        self._uneven = UnevenSteps(model, strategy)
 
     # Keras's loops call ``fn(state, iterator)`` and unpack ``(logs, state)``;
     # our state lives in the variables, so ``state`` passes through untouched.
@@ -134,8 +136,17 @@ class DistributedSteps:
     # ------------------------------------------------------------------ train
     def _train_batch(self, data):
         rows = _rows(data)
-        logs = self._run(self._replica_train_step, self._split(data), rows)
+        split = self._split(data)
+        if self._is_uneven(split):
+            return self._uneven.train(split, rows)
+        logs = self._run(self._replica_train_step, split, rows)
         return self._logs(logs)
+
+    def _is_uneven(self, split) -> bool:
+        """A batch that does not split evenly, outside debugging (``run_eagerly``)."""
+        if self.model.run_eagerly or not self.model.jit_compile:
+            return False
+        return _had_uneven(split) and self._uneven.supports(self.model)
 
     def _replica_train_step(self, data, global_rows):
         model = self.model
@@ -156,7 +167,10 @@ class DistributedSteps:
 
     # ------------------------------------------------------------------- test
     def _test_batch(self, data):
-        logs = self._run(self._replica_test_step, self._split(data))
+        split = self._split(data)
+        if self._is_uneven(split):
+            return self._uneven.test(split)
+        logs = self._run(self._replica_test_step, split)
         return self._logs(logs)
 
     def _replica_test_step(self, data):

@@ -308,6 +308,25 @@ def _wrap_get_iterator(original):
     return get_iterator
 
 
+def _wrap_enumerate_iterator(original):
+    """The last execution of an epoch ends at the epoch's last batch, as in tf-keras.
+
+    Keras 3 reports ``begin + steps_per_execution - 1`` to ``on_*_batch_end``
+    even when the epoch ends sooner (batch 59 of a 50-batch epoch with
+    ``steps_per_execution=20``); tf-keras reports 49.
+    """
+
+    @functools.wraps(original)
+    def enumerate_iterator(self):
+        steps = self.steps_per_epoch or self._num_batches
+        for begin_step, end_step, iterator in original(self):
+            if steps and isinstance(distribution_lib.distribution(), StrategyDistribution):
+                end_step = min(end_step, steps - 1)
+            yield begin_step, end_step, iterator
+
+    return enumerate_iterator
+
+
 def _wrap_get_metrics_result(original):
     @functools.wraps(original)
     def get_metrics_result(self):
@@ -357,10 +376,36 @@ def _wrap_batch_norm_build(original):
     return build
 
 
+def _wrap_reduce_values(original):
+    """An empty batch's loss reduces to 0 under a strategy, as in tf-keras.
+
+    A last batch smaller than the replica count leaves some replicas no rows.
+    tf-keras reduces their loss to 0 (``divide_no_nan``); Keras 3's
+    ``losses.loss.reduce_values`` returns the empty array itself, which breaks
+    the gradient (not a scalar) and turns the loss metric into NaN.
+    """
+
+    @functools.wraps(original)
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        shape = tuple(getattr(values, "shape", ()))
+        if reduction not in (None, "none") and 0 in shape:
+            from keras_dist import _context
+            from keras_dist._default_strategy import is_default_strategy
+
+            if not is_default_strategy(_context.get_strategy()):
+                from keras.src import ops
+
+                return ops.zeros((), dtype=values.dtype)
+        return original(values, sample_weight, reduction)
+
+    return reduce_values
+
+
 def install_trainer_hook() -> None:
     """Routes the training loops of models created under a strategy through ``_fit``."""
     from keras.src.backend.jax import trainer as jax_trainer
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
+    from keras.src.losses import loss as loss_module
     from keras.src.trainers import trainer as base_trainer
 
     cls = jax_trainer.JAXTrainer
@@ -378,8 +423,25 @@ def install_trainer_hook() -> None:
     cls._get_jax_state = _wrap_get_jax_state(cls._get_jax_state)
     epoch_iterator = jax_trainer.JAXEpochIterator
     epoch_iterator._get_iterator = _wrap_get_iterator(epoch_iterator._get_iterator)
+    epoch_iterator._enumerate_iterator = _wrap_enumerate_iterator(
+        epoch_iterator._enumerate_iterator
+    )
     base_trainer.Trainer.get_metrics_result = _wrap_get_metrics_result(
         base_trainer.Trainer.get_metrics_result
     )
     base_trainer.Trainer.compile = _wrap_compile(base_trainer.Trainer.compile)
     BatchNormalization.build = _wrap_batch_norm_build(BatchNormalization.build)
+    loss_module.reduce_values = _wrap_reduce_values(loss_module.reduce_values)
+
+
+def keras_update_metrics(model, metrics, unscaled_loss, x, y, y_pred, sample_weight):
+    """Keras's JAX metric update for one batch (``JAXTrainer._update_metrics_variables``)."""
+    return model._update_metrics_variables(metrics, unscaled_loss, x, y, y_pred, sample_weight)
+
+
+def overrides_keras_step(model) -> bool:
+    """Whether the model's class replaces Keras's JAX ``train_step`` or ``test_step``."""
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    cls = type(model)
+    return cls.train_step is not JAXTrainer.train_step or cls.test_step is not JAXTrainer.test_step

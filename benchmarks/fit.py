@@ -1,0 +1,168 @@
+"""``model.fit`` throughput under keras_dist strategies against two baselines.
+
+In one invocation, on the same devices and the same data:
+
+(a) ``MirroredStrategy`` fit on N simulated devices against a hand-written
+    ``jax.jit(jax.shard_map(...))`` data-parallel loop of the same model and
+    optimizer (SGD with momentum, Keras's update rule), fed the same NumPy
+    batches. Like keras_dist, the loop waits for each step before dispatching
+    the next on CPU (DESIGN.md §8).
+(b) ``OneDeviceStrategy`` fit against plain Keras ``fit`` on one device.
+
+    python benchmarks/fit.py [--devices 4] [--batch 256] [--steps 100]
+
+Prints one line with both ratios (medians of the repeats).
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--devices", type=int, default=4)
+parser.add_argument("--batch", type=int, default=256, help="global batch size")
+parser.add_argument("--steps", type=int, default=100, help="steps per epoch")
+parser.add_argument("--repeats", type=int, default=5)
+args = parser.parse_args()
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import keras_dist as kd  # noqa: E402
+
+FEATURES, HIDDEN, CLASSES = 128, 512, 10
+LEARNING_RATE, MOMENTUM = 0.01, 0.9
+
+
+def build_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def keras_fit(strategy, x, y):
+    """A fit() runner: the model under ``strategy`` (None: plain Keras)."""
+    if strategy is None:
+        model = build_model()
+    else:
+        with strategy.scope():
+            model = build_model()
+
+    def run():
+        model.fit(x, y, batch_size=args.batch, epochs=1, shuffle=False, verbose=0)
+
+    return run, model
+
+
+def jit_loop(devices, x, y, initial_weights):
+    mesh = jax.sharding.Mesh(np.array(devices), ("replica",))
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
+    state = {
+        "params": [jax.device_put(w, replicated) for w in initial_weights],
+        "momentum": [jax.device_put(np.zeros_like(w), replicated) for w in initial_weights],
+    }
+    global_batch = args.batch
+
+    def loss_fn(params, xb, yb):
+        k1, b1, k2, b2, k3, b3 = params
+        h = jax.nn.relu(xb @ k1 + b1)
+        h = jax.nn.relu(h @ k2 + b2)
+        logits = h @ k3 + b3
+        # Keras's sparse categorical cross-entropy: one-hot, summed over the batch.
+        per_example = -jnp.sum(jax.nn.one_hot(yb, CLASSES) * jax.nn.log_softmax(logits), -1)
+        return jnp.sum(per_example) / global_batch
+
+    def step(params, momentum, xb, yb):
+        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
+        grads = lax.psum(grads, "replica")
+        momentum = [MOMENTUM * m - LEARNING_RATE * g for m, g in zip(momentum, grads)]
+        params = [p + m for p, m in zip(params, momentum)]
+        return params, momentum, lax.psum(loss, "replica")
+
+    compiled = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), P(), P("replica"), P("replica")),
+            out_specs=(P(), P(), P()),
+            check_vma=False,
+        ),
+        donate_argnums=(0, 1),
+    )
+
+    def run():
+        loss = None
+        for start in range(0, len(x), global_batch):
+            xb = jax.device_put(x[start : start + global_batch], split)
+            yb = jax.device_put(y[start : start + global_batch], split)
+            if loss is not None:
+                loss.block_until_ready()
+            state["params"], state["momentum"], loss = compiled(
+                state["params"], state["momentum"], xb, yb
+            )
+        float(loss)
+
+    return run
+
+
+def rate(run, steps):
+    start = time.perf_counter()
+    run()
+    return steps / (time.perf_counter() - start)
+
+
+def main():
+    rng = np.random.default_rng(0)
+    rows = args.batch * args.steps
+    x = rng.normal(size=(rows, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, rows).astype("int32")
+
+    mirrored = kd.MirroredStrategy()
+    ours, model = keras_fit(mirrored, x, y)
+    weights = [w.numpy() for w in model.trainable_variables]
+    baseline = jit_loop(mirrored.extended._devices, x, y, weights)
+    one_device, _ = keras_fit(kd.OneDeviceStrategy(jax.devices()[0]), x, y)
+    plain, _ = keras_fit(None, x, y)
+    for run in (ours, baseline, one_device, plain):
+        run()  # compile
+
+    ratios_a, ratios_b, rates = [], [], {k: [] for k in ("ours", "jit", "one", "plain")}
+    for _ in range(args.repeats):
+        a, b = rate(ours, args.steps), rate(baseline, args.steps)
+        c, d = rate(one_device, args.steps), rate(plain, args.steps)
+        ratios_a.append(a / b)
+        ratios_b.append(c / d)
+        for key, value in zip(rates, (a, b, c, d)):
+            rates[key].append(value)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(
+        f"fit: MirroredStrategy {med['ours']:.0f} steps/s vs hand-written jax.jit loop "
+        f"{med['jit']:.0f} steps/s, ratio {statistics.median(ratios_a):.2f} (target >= 0.9); "
+        f"OneDeviceStrategy {med['one']:.0f} steps/s vs plain Keras fit {med['plain']:.0f} "
+        f"steps/s, ratio {statistics.median(ratios_b):.2f} (target >= 0.97) "
+        f"[{mirrored.num_replicas_in_sync} x {jax.devices()[0].platform}, global batch "
+        f"{args.batch}, {args.steps} steps/epoch, median of {args.repeats}]"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Train and test steps for a batch that does not split evenly between replicas.
+
+The last batch of an epoch often has a number of rows that is not a multiple
+of the replica count. One SPMD program needs equal shapes on every replica,
+and padding would let the padded rows into metrics that ignore sample weights
+(AUC, Precision, ... in Keras 3). So each replica processes exactly its rows,
+with Keras's own stateless pieces compiled per replica shape:
+
+1. on each replica, ``compute_loss_and_updates`` and its gradient, the loss
+   scaled by the replica's share of the global batch;
+2. the gradients summed, and the optimizer's ``stateless_apply`` run once;
+3. on each replica, Keras's metric update for its rows.
+
+That is Keras's JAX ``train_step`` taken apart at the point where tf.distribute
+reduces gradients; ``test_step`` has no such point and runs whole per replica.
+A model that overrides ``train_step`` or ``test_step`` itself runs on the eager
+engine instead (slower, same numbers).
+"""
+
+import functools
+
+import jax
+
+from keras_dist._keras_hooks import keras_update_metrics
+from keras_dist._keras_hooks import overrides_keras_step
+
+
+def _unpack(data):
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    return data_adapter_utils.unpack_x_y_sample_weight(data)
+
+
+class UnevenSteps:
+    """Per-replica compiled steps for batches of unequal per-replica sizes."""
+
+    def __init__(self, model, strategy):
+        self.model = model
+        self.extended = strategy.extended
+        self._jitted: dict = {}
+
+    def supports(self, model) -> bool:
+        return not overrides_keras_step(model)
+
+    def _jit(self, name, fn):
+        if name not in self._jitted:
+            self._jitted[name] = jax.jit(fn)
+        return self._jitted[name]
+
+    def _values(self, variables, index):
+        """Each variable's value for replica ``index``, on that replica's device."""
+        values = []
+        for variable in variables:
+            components = getattr(variable, "_local_components", None)
+            if components is not None:
+                values.append(components()[index])
+            else:
+                values.append(variable._component(index))
+        return values
+
+    def _assign_component(self, variables, index, values):
+        from keras_dist._variables import SyncOnReadVariable
+
+        for variable, value in zip(variables, values):
+            if isinstance(variable, SyncOnReadVariable):
+                variable._write_component(index, "assign", value)
+            elif index == 0:
+                variable.assign(value)
+
+    def train(self, split, global_rows):
+        model = self.model
+        n = self.extended._num_local_replicas
+        grad_step = self._jit("grad", functools.partial(_grad_step, model))
+        update_metrics = self._jit("metrics", functools.partial(keras_update_metrics, model))
+        apply = self._jit("apply", model.optimizer.stateless_apply)
+        target = self.extended._devices[0]
+        summed, auxes, datas = None, [], []
+        for index in range(n):
+            data = _select(split, index)
+            rows = _rows(data)
+            grads, aux = grad_step(
+                self._values(model.trainable_variables, index),
+                self._values(model.non_trainable_variables, index),
+                self._values(model.metrics_variables, index),
+                self._values(model.optimizer.variables, index),
+                data,
+                rows / global_rows,
+            )
+            grads = jax.device_put(grads, target)
+            summed = grads if summed is None else jax.tree_util.tree_map(jax.numpy.add, summed, grads)
+            auxes.append(aux)
+            datas.append(data)
+        trainable, optimizer_values = apply(
+            self._values(model.optimizer.variables, 0),
+            summed,
+            self._values(model.trainable_variables, 0),
+        )
+        for variable, value in zip(model.trainable_variables, trainable):
+            variable.assign(value)
+        for variable, value in zip(model.optimizer.variables, optimizer_values):
+            variable.assign(value)
+        for index, (aux, data) in enumerate(zip(auxes, datas)):
+            unscaled_loss, y_pred, non_trainable, metrics = aux
+            x, y, sample_weight = _unpack(data)
+            _, metrics = update_metrics(metrics, unscaled_loss, x, y, y_pred, sample_weight)
+            self._assign_component(model.non_trainable_variables, index, non_trainable)
+            self._assign_component(model.metrics_variables, index, metrics)
+        return model.get_metrics_result()
+
+    def test(self, split):
+        model = self.model
+        test_step = self._jit("test", model.test_step)
+        for index in range(self.extended._num_local_replicas):
+            state = (
+                self._values(model.trainable_variables, index),
+                self._values(model.non_trainable_variables, index),
+                self._values(model.metrics_variables, index),
+            )
+            _, (_, non_trainable, metrics) = test_step(state, _select(split, index))
+            self._assign_component(model.non_trainable_variables, index, non_trainable)
+            self._assign_component(model.metrics_variables, index, metrics)
+        return model.get_metrics_result()
+
+
+def _grad_step(model, trainable, non_trainable, metrics, optimizer_values, data, scale):
+    x, y, sample_weight = _unpack(data)
+
+    def loss_fn(trainable):
+        loss, aux = model.compute_loss_and_updates(
+            trainable,
+            non_trainable,
+            metrics,
+            x,
+            y,
+            sample_weight,
+            training=True,
+            optimizer_variables=optimizer_values,
+        )
+        return loss * scale, aux
+
+    (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+    return grads, aux
+
+
+def _select(split, index):
+    from keras_dist._values import PerReplica
+
+    return jax.tree_util.tree_map(
+        lambda v: v.values[index] if isinstance(v, PerReplica) else v,
+        split,
+        is_leaf=lambda v: isinstance(v, PerReplica),
+    )
+
+
+def _rows(data) -> int:
+    leaves = [x for x in jax.tree_util.tree_leaves(data) if jax.numpy.ndim(x) > 0]
+    return int(leaves[0].shape[0])
