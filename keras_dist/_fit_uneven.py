@@ -40,6 +40,11 @@ class UnevenSteps:
         self._jitted: dict = {}
 
     def supports(self, model) -> bool:
+        """Keras's own steps, and no layer that needs the other replicas' rows."""
+        from keras_dist.layers import SyncBatchNormalization
+
+        if any(isinstance(layer, SyncBatchNormalization) for layer in model._flatten_layers()):
+            return False  # its statistics need a collective: the eager engine says so
         return not overrides_keras_step(model)
 
     def _jit(self, name, fn):
