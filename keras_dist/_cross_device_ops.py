@@ -87,6 +87,7 @@ class CrossDeviceOps:
         if num_replicas == 1:
             return list(leaves)  # nothing to combine; packing would only copy
         import os
+
         if os.environ.get("KD_NOPACK") and type(self) is NcclAllReduce:
             out = lax.psum(list(leaves), AXIS)
             return [_divide(o, num_replicas) for o in out] if reduce_op is ReduceOp.MEAN else out

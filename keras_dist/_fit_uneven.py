@@ -92,7 +92,9 @@ class UnevenSteps:
                 rows / global_rows,
             )
             grads = jax.device_put(grads, target)
-            summed = grads if summed is None else jax.tree_util.tree_map(jax.numpy.add, summed, grads)
+            summed = (
+                grads if summed is None else jax.tree_util.tree_map(jax.numpy.add, summed, grads)
+            )
             auxes.append(aux)
             datas.append(data)
         trainable, optimizer_values = apply(

@@ -226,6 +226,42 @@ def _install_loss_scale_hook() -> None:
 
     check_finite._keras_dist_hook = True
     LossScaleOptimizer.check_finite = check_finite
+    LossScaleOptimizer.stateless_apply = _merged_stateless_apply(LossScaleOptimizer.stateless_apply)
+
+
+def _merged_stateless_apply(original):
+    """``LossScaleOptimizer.stateless_apply`` in a replica: sum first, then decide, as TF.
+
+    TF's loss-scale optimizer reduces the gradients in a ``merge_call`` and runs
+    its finite test and update once, in the cross-replica context. Keras's tests
+    and branches (``ops.cond``) per replica, with the inner optimizer's
+    ``merge_call`` inside a traced branch, which eager replicas cannot share.
+    """
+
+    @functools.wraps(original)
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        from keras_dist import _context
+
+        replica_context = _context.current_frame().replica_context
+        if replica_context is None or replica_context._is_default:
+            return original(self, optimizer_variables, grads, trainable_variables)
+
+        def merge_fn(strategy, optimizer_variables, grads, trainable_variables):
+            from keras_dist._reduce_op import ReduceOp
+
+            extended = strategy.extended
+            summed = extended.batch_reduce_to(ReduceOp.SUM, [(g, g) for g in grads])
+            grads = [extended._unwrap_mirrored(g) for g in summed]
+            optimizer_variables = [extended._one_value(v) for v in optimizer_variables]
+            trainable_variables = [extended._one_value(v) for v in trainable_variables]
+            new = original(self, optimizer_variables, grads, trainable_variables)
+            return extended._for_every_replica(new)
+
+        return replica_context.merge_call(
+            merge_fn, args=(optimizer_variables, grads, trainable_variables)
+        )
+
+    return stateless_apply
 
 
 # ----------------------------------------------------------------------------

@@ -193,6 +193,26 @@ class MeshExtended(StrategyExtended):
             return self._replicate(value.values[0])
         return value
 
+    def _one_value(self, value):
+        """A value every replica holds the same, as one array for cross-replica code."""
+        if isinstance(value, DistributedValues):
+            if value._traced is not None:
+                return value._local()
+            value = value.values[0]
+        if isinstance(value, jax.core.Tracer):
+            return value
+        return self._replicate(value)
+
+    def _for_every_replica(self, structure):
+        """Cross-replica results handed back to replicas: each takes its device's copy."""
+
+        def wrap(x):
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+                return Mirrored(None, _replicated=self._replicate(x))
+            return x
+
+        return jax.tree_util.tree_map(wrap, structure)
+
     def _reduce_stacked(self, aggregation, stacked):
         """Cross-replica read of a SyncOnRead variable's components."""
         if aggregation == "only_first_replica":
