@@ -13,7 +13,6 @@ tested here, and private methods such as ``_clip_gradients``).
 import contextlib
 import math
 
-import jax
 import keras
 import numpy as np
 import pytest
