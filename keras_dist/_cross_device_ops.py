@@ -2,13 +2,14 @@
 
 Each implementation is a real, different reduction path; all give the same
 numbers. ``_reduce_in_replica`` runs inside the compiled engine (under
-``shard_map``, one call per replica) on a list of tensors: it packs them into
-one buffer per dtype, so a step that reduces 50 gradients issues one
-collective per dtype, not 50. Reductions in the cross-replica context run the
+``shard_map``, one call per replica) on a list of tensors: it packs the small
+ones into one buffer per dtype, so a step that reduces 50 gradients issues one
+collective, not 50. Reductions in the cross-replica context run the
 same function over the stacked components.
 
-* ``NcclAllReduce``: one all-reduce (``lax.psum``) per packed buffer. On GPUs
-  XLA lowers it to NCCL; on CPU to gloo or in-process collectives.
+* ``NcclAllReduce``: one ``lax.psum`` over the packed small tensors and the
+  large ones (XLA combines its operands into one all-reduce). On GPUs XLA
+  lowers it to NCCL; on CPU to gloo or in-process collectives.
 * ``HierarchicalCopyAllReduce``: a reduce-scatter then an all-gather (the two
   halves of a ring all-reduce), ``num_packs`` buffers at a time.
 * ``ReductionToOneDevice``: every component is brought together and added with
@@ -30,27 +31,41 @@ from keras_dist._reduce_op import ReduceOp
 AXIS = "replica"
 
 
-def _pack(leaves):
-    """Flattens ``leaves`` into one 1-D buffer per dtype; returns buffers and an unpacker."""
+def _pack(leaves, max_packed_elements=None):
+    """Packs ``leaves`` into few operands: one 1-D buffer per dtype for the small ones.
+
+    Leaves larger than ``max_packed_elements`` stay operands of their own:
+    copying them into a buffer costs more than the collective saves (XLA
+    combines the operands of one ``psum`` into a single all-reduce anyway).
+    Returns the operands and a function that unpacks reduced operands.
+    """
     groups: dict = {}
+    alone = []
     for index, leaf in enumerate(leaves):
-        groups.setdefault(jnp.result_type(leaf), []).append(index)
-    buffers = []
+        size = int(np.prod(jnp.shape(leaf)))
+        if max_packed_elements is not None and size > max_packed_elements:
+            alone.append(index)
+        else:
+            groups.setdefault(jnp.result_type(leaf), []).append(index)
+    operands = []
     for indices in groups.values():
         parts = [jnp.ravel(leaves[i]) for i in indices]
-        buffers.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+        operands.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+    operands.extend(leaves[i] for i in alone)
 
-    def unpack(reduced_buffers):
+    def unpack(reduced):
         out = [None] * len(leaves)
-        for indices, buffer in zip(groups.values(), reduced_buffers):
+        for indices, buffer in zip(groups.values(), reduced):
             offset = 0
             for i in indices:
                 size = int(np.prod(jnp.shape(leaves[i])))
                 out[i] = jnp.reshape(buffer[offset : offset + size], jnp.shape(leaves[i]))
                 offset += size
+        for i, value in zip(alone, reduced[len(groups) :]):
+            out[i] = value
         return out
 
-    return buffers, unpack
+    return operands, unpack
 
 
 class CrossDeviceOps:
@@ -86,16 +101,16 @@ class CrossDeviceOps:
             return []
         if num_replicas == 1:
             return list(leaves)  # nothing to combine; packing would only copy
-        import os
-
-        if os.environ.get("KD_NOPACK") and type(self) is NcclAllReduce:
-            out = lax.psum(list(leaves), AXIS)
-            return [_divide(o, num_replicas) for o in out] if reduce_op is ReduceOp.MEAN else out
-        buffers, unpack = _pack(leaves)
-        reduced = [self._reduce_buffer(b, num_replicas) for b in buffers]
+        operands, unpack = _pack(leaves, self._max_packed_elements)
+        reduced = self._reduce_operands(operands, num_replicas)
         if reduce_op is ReduceOp.MEAN:
             reduced = [_divide(b, num_replicas) for b in reduced]
         return unpack(reduced)
+
+    _max_packed_elements = None  # pack everything
+
+    def _reduce_operands(self, operands, num_replicas):
+        return [self._reduce_buffer(b, num_replicas) for b in operands]
 
     def _reduce_buffer(self, buffer, num_replicas):
         raise NotImplementedError
@@ -147,8 +162,12 @@ class NcclAllReduce(CrossDeviceOps):
             raise ValueError(f"`num_packs` must be at least 0. Received: num_packs={num_packs}")
         self.num_packs = num_packs
 
-    def _reduce_buffer(self, buffer, num_replicas):
-        return lax.psum(buffer, AXIS)
+    # Gradients up to this size share one packed buffer; larger ones are their
+    # own operands of the same psum (one collective after XLA's combiner).
+    _max_packed_elements = 1 << 16
+
+    def _reduce_operands(self, operands, num_replicas):
+        return list(lax.psum(list(operands), AXIS))
 
 
 class HierarchicalCopyAllReduce(CrossDeviceOps):

@@ -35,9 +35,7 @@ def _fit(strategy, layer_cls=keras.layers.BatchNormalization, clipnorm=None, row
 def test_central_storage_keeps_variables_on_the_parameter_device():
     strategy = kd.experimental.CentralStorageStrategy(cpus(4), parameter_device="/cpu:5")
     assert strategy.num_replicas_in_sync == 4
-    assert strategy.extended.parameter_devices == (
-        "/job:localhost/replica:0/task:0/device:CPU:5",
-    )
+    assert strategy.extended.parameter_devices == ("/job:localhost/replica:0/task:0/device:CPU:5",)
     assert strategy.cluster_resolver is None
     _, _, model = _fit(strategy)
     for variable in model.trainable_variables:

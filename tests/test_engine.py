@@ -136,3 +136,31 @@ def test_two_thousand_compiled_steps_with_collectives_do_not_abort():
     np.testing.assert_array_equal(strategy.experimental_local_results(out)[0], np.full(64, 6.0))
     # SUM aggregation adds every replica's 1.0 each step.
     np.testing.assert_array_equal(w.numpy(), np.full((64,), 8000.0))
+
+
+def test_large_gradients_join_one_all_reduce_after_compilation():
+    # Small gradients share a packed buffer; large ones are operands of the same
+    # psum, which XLA compiles into a single all-reduce.
+    strategy = kd.MirroredStrategy(cpus(4))
+    with strategy.scope():
+        weights = [keras.Variable(np.ones((300, 300), "float32")) for _ in range(3)]
+        weights += [keras.Variable(np.ones((5,), "float32")) for _ in range(20)]
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(weights)
+
+    def step(x):
+        loss_fn = lambda: sum(keras.ops.sum(w) * x for w in weights)  # noqa: E731
+        _, grads = kd.value_and_grad(loss_fn, weights)()
+        optimizer.apply_gradients(zip(grads, weights))
+
+    x = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(1.0))
+    strategy.run(step, args=(x,))
+    (entry,) = _entries(strategy)
+    lowered = entry.lowered.as_text()
+    # One packed buffer of the 20 small gradients, and the 3 large ones.
+    assert lowered.count("stablehlo.all_reduce") == 4
+    assert "tensor<100xf32>" in lowered
+    compiled = entry.compiled.as_text()
+    assert len([line for line in compiled.splitlines() if " all-reduce(" in line]) == 1
+    # Every replica's gradient of sum(w) is 1, summed over 4 replicas.
+    np.testing.assert_allclose(weights[0].numpy(), np.full((300, 300), 1 - 0.4), rtol=1e-6)
