@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._engine._compiled import ReplicatedOutput
 from keras_dist._fit_uneven import UnevenSteps
 from keras_dist._input import _GlobalBatchSplitter
 from keras_dist._values import PerReplica
@@ -80,27 +81,17 @@ def _rows(data) -> int:
     return int(np.shape(leaves[0])[0])
 
 
-def _only_first_replica(logs):
-    """Logs (the same on every replica) kept on replica 0, zero elsewhere.
-
-    Small outputs are summed inside the compiled program (see the engine): the
-    sum of these is replica 0's value exactly, ready on the host side without
-    another dispatch per log and step.
-    """
+def _replicated_logs(logs):
+    """Logs are read from aggregated metrics: the same on every replica, returned once."""
     replica_context = _context.current_frame().replica_context
     if replica_context is None or replica_context._eager_index is not None:
         return logs
-    first = replica_context.replica_id_in_sync_group == 0
-    return jax.tree_util.tree_map(
-        lambda v: jax.numpy.where(first, v, jax.numpy.zeros_like(v)), logs
-    )
+    return jax.tree_util.tree_map(ReplicatedOutput, logs)
 
 
 def _first_component(value):
-    """Replica 0's log value (see ``_only_first_replica``)."""
+    """One replica's log value (eager runs give one per replica)."""
     if isinstance(value, PerReplica):
-        if value._sum is not None:
-            return value._sum.addressable_data(0)
         return value.values[0]
     return value
 
@@ -111,7 +102,7 @@ class DistributedSteps:
     def __init__(self, model, strategy):
         self.model = model
         self.strategy = strategy
-        self._split = _GlobalBatchSplitter(strategy.extended)
+        self._split = _GlobalBatchSplitter(strategy.extended, on_host=True)
         self._predict_rows = None
         self._uneven = UnevenSteps(model, strategy)
 
@@ -179,7 +170,7 @@ class DistributedSteps:
         _assign(model.non_trainable_variables, new_state[1])
         _assign(model.optimizer.variables, new_state[2])
         _assign(model.metrics_variables, new_state[3])
-        return _only_first_replica(logs)
+        return _replicated_logs(logs)
 
     # ------------------------------------------------------------------- test
     def _test_batch(self, data):
@@ -199,7 +190,7 @@ class DistributedSteps:
         logs, new_state = model.test_step(state, data)
         _assign(model.non_trainable_variables, new_state[1])
         _assign(model.metrics_variables, new_state[2])
-        return _only_first_replica(logs)
+        return _replicated_logs(logs)
 
     def _logs(self, per_replica_logs):
         """Logs of a compiled step are aggregated in it; eager ones are read after."""

@@ -173,6 +173,8 @@ class MeshExtended(StrategyExtended):
 
     def _as_stacked(self, value: DistributedValues):
         stacked = value._stacked
+        if isinstance(stacked, np.ndarray):
+            return stacked  # host batch: the compiled step places it (see _input)
         if stacked is not None and stacked.sharding == self._split:
             return stacked
         return self._stack_components(value.values)

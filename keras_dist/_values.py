@@ -201,6 +201,8 @@ def _check_component(component):
 
 def unstack(stacked: jax.Array) -> tuple:
     """The local components of a stacked ``(num_replicas, ...)`` global array."""
+    if isinstance(stacked, np.ndarray):
+        return tuple(stacked)  # a host batch not yet placed
     shards = sorted(stacked.addressable_shards, key=lambda s: s.index[0].start or 0)
     return tuple(shard.data[0] for shard in shards)
 

@@ -43,6 +43,18 @@ from keras_dist._values import PerReplica
 _MAX_TRACES_PER_SIGNATURE = 4
 _CACHE_SIZE = 64
 _ARRAY = object()  # marks an array slot in the output layout
+_REPLICATED = object()  # marks a ReplicatedOutput slot
+
+
+class ReplicatedOutput:
+    """Marks an output that every replica computes identically (for internal callers).
+
+    It leaves the program once, unstacked, as a plain array: no per-replica
+    copies, and no reduction to read it (``fit`` returns its logs this way).
+    """
+
+    def __init__(self, value):
+        self.value = value
 
 
 def _is_input_leaf(x):
@@ -186,21 +198,23 @@ class _Entry:
         sync_on_read = [v._stacked for v in self.sync_on_read]
         _copy_shared_buffers(mirrored, sync_on_read)
         foreign = [self.extended._replicate(v.value) for v in self.foreign]
-        new_mirrored, new_sync_on_read, outputs, sums = self.extended._gated(
+        new_mirrored, new_sync_on_read, outputs, sums, replicated = self.extended._gated(
             self.compiled, mirrored, sync_on_read, foreign, dynamic
         )
         for variable, value in zip(self.mirrored, new_mirrored):
             variable._value = extended._to_storage(value)
         for variable, value in zip(self.sync_on_read, new_sync_on_read):
             variable._stacked = value
-        return self._outputs(outputs, sums)
+        return self._outputs(outputs, sums, replicated)
 
-    def _outputs(self, arrays, sums):
-        arrays, sums = iter(arrays), iter(sums)
+    def _outputs(self, arrays, sums, replicated):
+        arrays, sums, replicated = iter(arrays), iter(sums), iter(replicated)
         has_sum = iter(self.has_sum)
         leaves = []
         for slot in self.out_layout:
-            if slot is not _ARRAY:
+            if slot is _REPLICATED:
+                leaves.append(next(replicated))
+            elif slot is not _ARRAY:
                 leaves.append(slot)
             elif self.stacked_out:
                 value = PerReplica(None, _stacked=next(arrays), _validate=False)
@@ -250,7 +264,7 @@ class CompiledEngine:
                 continue
             kinds.append(kind)
             dynamic.append(array)
-            signature.append((kind, array.shape, array.dtype, array.weak_type))
+            signature.append((kind, array.shape, array.dtype, getattr(array, "weak_type", False)))
         base_key = (fn, treedef, tuple(statics), tuple(signature))
         key = base_key + (extended._variable_state().version, len(self._foreign))
         entry = self._cache.get(key)
@@ -278,7 +292,7 @@ class CompiledEngine:
                 body,
                 mesh=extended._mesh,
                 in_specs=(P(), P(AXIS), P(), [P(AXIS) if k == "r" else P() for k in kinds if k]),
-                out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P(), P()),
+                out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P(), P(), P()),
                 check_vma=False,
             )
             jitted = jax.jit(mapped, donate_argnums=(0, 1))
@@ -332,9 +346,12 @@ class CompiledEngine:
             out_leaves, out_treedef = jax.tree_util.tree_flatten(
                 outputs, is_leaf=lambda x: x is None
             )
-            arrays, layout = [], []
+            arrays, replicated, layout = [], [], []
             for leaf in out_leaves:
-                if _is_array_like(leaf):
+                if isinstance(leaf, ReplicatedOutput):
+                    replicated.append(jnp.asarray(leaf.value))
+                    layout.append(_REPLICATED)
+                elif _is_array_like(leaf):
                     arrays.append(jnp.asarray(leaf))
                     layout.append(_ARRAY)
                 else:
@@ -344,7 +361,8 @@ class CompiledEngine:
                 sums = [lax.psum(a, AXIS) if _reduce_in_program(a) else None for a in arrays]
                 arrays = [a[None] for a in arrays]
             record.out = (out_treedef, layout, [x is not None for x in sums])
-            return new_mirrored, new_sync_on_read, arrays, [x for x in sums if x is not None]
+            sums = [x for x in sums if x is not None]
+            return new_mirrored, new_sync_on_read, arrays, sums, replicated
 
         return body
 
