@@ -164,7 +164,7 @@ class NcclAllReduce(CrossDeviceOps):
 
     # Gradients up to this size share one packed buffer; larger ones are their
     # own operands of the same psum (one collective after XLA's combiner).
-    _max_packed_elements = 1 << 16
+    _max_packed_elements = 1 << 12
 
     def _reduce_operands(self, operands, num_replicas):
         return list(lax.psum(list(operands), AXIS))

@@ -254,8 +254,20 @@ def _concatenate_replicas(value):
 
 
 def _assign(variables, values):
+    """Writes the state Keras's stateless step returned back into the variables.
+
+    Mirrored state (weights, optimizer slots, counters) came out of the
+    optimizer's single cross-replica update: every replica holds the same
+    value, so it is written as it is, without the aggregation a replica's own
+    write would get (an ``only_first_replica`` counter would cost a collective).
+    """
+    from keras_dist._variables import MirroredVariable
+
     for variable, value in zip(variables, values):
-        variable.assign(value)
+        if isinstance(variable, MirroredVariable):
+            variable._plain_write("assign", value)
+        else:
+            variable.assign(value)
 
 
 class _scaled_loss:
