@@ -120,13 +120,14 @@ class DistributedSteps:
             return outputs[0], state
         return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs), state
 
-    def _batches(self, iterator):
-        yield next(iterator)  # StopIteration here ends the epoch (Keras catches it)
+    def _batches(self, iterator) -> list:
+        batches = [next(iterator)]  # StopIteration here ends the epoch (Keras catches it)
         for _ in range(self.model.steps_per_execution - 1):
             try:
-                yield next(iterator)
+                batches.append(next(iterator))
             except StopIteration:
-                return
+                break
+        return batches
 
     def _run(self, fn, *args):
         """``strategy.run``; eagerly when the model was compiled with ``run_eagerly=True``."""

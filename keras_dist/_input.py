@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._prefetch import Prefetch
 from keras_dist._values import PerReplica
 
 
@@ -302,7 +303,7 @@ class DistributedDataset:
 
         def make_next_fn():
             iterator = iter(dataset)
-            return lambda: splitter(next(iterator))
+            return _ahead(lambda: splitter(next(iterator)), options)
 
         return cls(make_next_fn)
 
@@ -334,7 +335,7 @@ class DistributedDataset:
                     raise StopIteration
                 return _per_replica_batches(extended, batches)
 
-            return next_fn
+            return _ahead(next_fn, options)
 
         return cls(make_next_fn)
 
@@ -347,6 +348,26 @@ class DistributedDataset:
         if self._element_spec is None:
             self._element_spec = _spec_of(next(iter(self)))
         return self._element_spec
+
+
+def _ahead(next_fn, options):
+    """``next_fn`` run ahead on a thread (batches split and sent to the devices early).
+
+    ``InputOptions(experimental_fetch_to_device=False)`` turns it off; the buffer
+    holds ``experimental_per_replica_buffer_size`` steps (at least one).
+    """
+    if options is not None and options.experimental_fetch_to_device is False:
+        return next_fn
+    size = max(1, options.experimental_per_replica_buffer_size if options else 1)
+    return Prefetch(_calls(next_fn), buffer_size=size).__next__
+
+
+def _calls(next_fn):
+    while True:
+        try:
+            yield next_fn()
+        except StopIteration:
+            return
 
 
 def _spec_of(value):

@@ -337,8 +337,17 @@ def _wrap_get_iterator(original):
     @functools.wraps(original)
     def get_iterator(self):
         if isinstance(distribution_lib.distribution(), StrategyDistribution):
-            # Host batches: the strategy splits and places them itself.
-            return self.data_adapter.get_numpy_iterator()
+            # Host batches: the strategy splits and places them itself. They are
+            # read ahead, except from a generator: Keras may start a new epoch
+            # on the same generator, and batches read ahead would be lost.
+            from keras_dist._config import prefetch_buffer_size
+            from keras_dist._prefetch import Prefetch
+
+            batches = self.data_adapter.get_numpy_iterator()
+            size = prefetch_buffer_size()
+            if size and type(self.data_adapter).__name__ != "GeneratorDataAdapter":
+                return Prefetch(batches, buffer_size=size)
+            return batches
         return original(self)
 
     return get_iterator

@@ -1,0 +1,151 @@
+"""Input sources beyond NumPy lists: PyDataset, Grain, generators; and reading ahead."""
+
+import threading
+
+import grain
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+
+import keras_dist as kd
+from keras_dist._prefetch import Prefetch
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(96, 4)).astype("float32")
+Y = (X.sum(1, keepdims=True) > 0).astype("float32")
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        return X[index * 16 : (index + 1) * 16], Y[index * 16 : (index + 1) * 16]
+
+
+def _endless_batches():
+    while True:
+        for index in range(6):
+            yield X[index * 16 : (index + 1) * 16], Y[index * 16 : (index + 1) * 16]
+
+
+def _grain_batches():
+    return grain.MapDataset.source([(X[i], Y[i]) for i in range(96)]).batch(16)
+
+
+def _train(data, **fit_kwargs):
+    keras.utils.set_random_seed(3)
+    strategy = kd.MirroredStrategy(cpus(4))
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(8, activation="relu"),
+                keras.layers.Dense(1, activation="sigmoid"),
+            ]
+        )
+        model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=["accuracy"])
+    history = model.fit(data, epochs=2, verbose=0, **fit_kwargs)
+    return [w.numpy() for w in model.weights], history.history
+
+
+@pytest.fixture(scope="module")
+def numpy_run():
+    return _train(X, y=Y, batch_size=16, shuffle=False)
+
+
+@pytest.mark.parametrize(
+    "make_data,fit_kwargs",
+    [
+        (_Batches, {"shuffle": False}),
+        (_grain_batches, {}),
+        (_endless_batches, {"steps_per_epoch": 6}),
+    ],
+    ids=["pydataset", "grain", "generator"],
+)
+def test_fit_on_a_pipeline_equals_fit_on_arrays(numpy_run, make_data, fit_kwargs):
+    weights, history = _train(make_data(), **fit_kwargs)
+    np.testing.assert_allclose(history["loss"], numpy_run[1]["loss"], rtol=1e-6)
+    for got, want in zip(weights, numpy_run[0]):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["pydataset", "grain_map", "grain_iter"])
+def test_distribute_dataset_accepts_keras_and_grain_datasets(source):
+    strategy = kd.MirroredStrategy(cpus(4))
+    dataset = {
+        "pydataset": _Batches(),
+        "grain_map": _grain_batches(),
+        "grain_iter": _grain_batches().to_iter_dataset(),
+    }[source]
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    for epoch in range(2):  # re-iterable, one pass per epoch
+        steps = 0
+        for step, (x, y) in enumerate(distributed):
+            parts = strategy.experimental_local_results(x)
+            np.testing.assert_array_equal(
+                np.concatenate([np.asarray(p) for p in parts]), X[step * 16 : (step + 1) * 16]
+            )
+            assert [np.shape(p) for p in parts] == [(4, 4)] * 4
+            steps += 1
+        assert steps == 6, epoch
+
+
+def test_fetch_to_device_false_reads_each_batch_when_needed():
+    strategy = kd.MirroredStrategy(cpus(2))
+    reads = []
+
+    class Counting:
+        def __iter__(self):
+            for index in range(3):
+                reads.append(index)
+                yield np.full((2,), float(index))
+
+    options = kd.InputOptions(experimental_fetch_to_device=False)
+    iterator = iter(strategy.experimental_distribute_dataset(Counting(), options))
+    next(iterator)
+    assert reads == [0]
+    assert [v.tolist() for v in strategy.experimental_local_results(next(iterator))] == [
+        [1.0],
+        [1.0],
+    ]
+
+
+def test_prefetch_reads_ahead_within_its_buffer():
+    produced = []
+    release = threading.Event()
+
+    def source():
+        for index in range(10):
+            produced.append(index)
+            yield index
+            if index == 2:
+                release.wait(timeout=30)
+
+    prefetch = Prefetch(source(), buffer_size=2)
+    assert next(prefetch) == 0
+    # The producer stops after the buffer is full: never all 10 items ahead.
+    assert len(produced) <= 4
+    release.set()
+    assert list(prefetch) == list(range(1, 10))
+    with pytest.raises(StopIteration):
+        next(prefetch)
+
+
+def test_prefetch_hands_errors_to_the_consumer_in_order():
+    def source():
+        yield 1
+        raise OSError("storage went away")
+
+    prefetch = Prefetch(source(), buffer_size=3)
+    assert next(prefetch) == 1
+    with pytest.raises(OSError, match="storage went away"):
+        next(prefetch)
+
+
+def test_prefetch_buffer_size_is_validated():
+    with pytest.raises(ValueError, match="Received: batches=-1"):
+        kd.config.set_prefetch_buffer_size(-1)
+    with pytest.raises(ValueError, match="at least 1"):
+        Prefetch([], buffer_size=0)
