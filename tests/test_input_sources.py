@@ -82,7 +82,7 @@ def test_distribute_dataset_accepts_keras_and_grain_datasets(source):
     distributed = strategy.experimental_distribute_dataset(dataset)
     for epoch in range(2):  # re-iterable, one pass per epoch
         steps = 0
-        for step, (x, y) in enumerate(distributed):
+        for step, (x, _) in enumerate(distributed):
             parts = strategy.experimental_local_results(x)
             np.testing.assert_array_equal(
                 np.concatenate([np.asarray(p) for p in parts]), X[step * 16 : (step + 1) * 16]
