@@ -14,6 +14,7 @@ from keras_dist._backend import ensure_jax_backend
 ensure_jax_backend()
 
 from keras_dist import config as config  # noqa: E402
+from keras_dist import data as data  # noqa: E402
 from keras_dist import experimental as experimental  # noqa: E402
 from keras_dist import layers as layers  # noqa: E402
 from keras_dist import nn as nn  # noqa: E402
@@ -78,6 +79,7 @@ __all__ = [
     "StrategyExtended",
     "SyncOnReadVariable",
     "config",
+    "data",
     "experimental",
     "experimental_set_strategy",
     "get_cross_replica_context",
