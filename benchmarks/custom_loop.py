@@ -33,8 +33,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _jit_baseline import mlp_train_step  # noqa: E402
 from custom_training_loop import build_model  # noqa: E402
-from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -82,35 +82,7 @@ def jit_runner(devices, batches, initial_weights):
     data = [(jax.device_put(x, split), jax.device_put(y, split)) for x, y in batches]
     global_batch = args.batch
 
-    def forward(params, x):
-        k1, b1, k2, b2, k3, b3 = params
-        h = jax.nn.relu(x @ k1 + b1)
-        h = jax.nn.relu(h @ k2 + b2)
-        return h @ k3 + b3
-
-    def loss_fn(params, x, y):
-        logits = forward(params, x)
-        # The same math as Keras's sparse categorical cross-entropy (one-hot, no gather).
-        per_example = -jnp.sum(jax.nn.one_hot(y, logits.shape[-1]) * jax.nn.log_softmax(logits), -1)
-        return jnp.sum(per_example) / global_batch
-
-    def step(params, momentum, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        grads = lax.psum(grads, "replica")
-        momentum = [MOMENTUM * m - LEARNING_RATE * g for m, g in zip(momentum, grads)]
-        params = [p + m for p, m in zip(params, momentum)]
-        return params, momentum, lax.psum(loss, "replica")
-
-    compiled = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), P(), P("replica"), P("replica")),
-            out_specs=(P(), P(), P()),
-            check_vma=False,
-        ),
-        donate_argnums=(0, 1),
-    )
+    compiled = mlp_train_step(mesh, global_batch, LEARNING_RATE, MOMENTUM)
     state = {"params": params, "momentum": momentum}
 
     def run(steps):

@@ -29,10 +29,9 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={arg
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
+from _jit_baseline import mlp_train_step  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -82,32 +81,7 @@ def jit_loop(devices, x, y, initial_weights):
     }
     global_batch = args.batch
 
-    def loss_fn(params, xb, yb):
-        k1, b1, k2, b2, k3, b3 = params
-        h = jax.nn.relu(xb @ k1 + b1)
-        h = jax.nn.relu(h @ k2 + b2)
-        logits = h @ k3 + b3
-        # Keras's sparse categorical cross-entropy: one-hot, summed over the batch.
-        per_example = -jnp.sum(jax.nn.one_hot(yb, CLASSES) * jax.nn.log_softmax(logits), -1)
-        return jnp.sum(per_example) / global_batch
-
-    def step(params, momentum, xb, yb):
-        loss, grads = jax.value_and_grad(loss_fn)(params, xb, yb)
-        grads = lax.psum(grads, "replica")
-        momentum = [MOMENTUM * m - LEARNING_RATE * g for m, g in zip(momentum, grads)]
-        params = [p + m for p, m in zip(params, momentum)]
-        return params, momentum, lax.psum(loss, "replica")
-
-    compiled = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), P(), P("replica"), P("replica")),
-            out_specs=(P(), P(), P()),
-            check_vma=False,
-        ),
-        donate_argnums=(0, 1),
-    )
+    compiled = mlp_train_step(mesh, global_batch, LEARNING_RATE, MOMENTUM)
 
     def run():
         loss = None

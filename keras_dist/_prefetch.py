@@ -22,14 +22,21 @@ class Prefetch:
     """
 
     def __init__(self, iterable, buffer_size: int = 2, transform=None):
+        self._stop = threading.Event()
         if buffer_size < 1:
             raise ValueError(f"`buffer_size` must be at least 1. Received: {buffer_size}")
-        self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._done = False
-        source = iter(iterable)
+        self._source, self._transform = iterable, transform
+        self._thread = None  # started by the first `next`: nothing is read before it
+
+    def _start(self):
         self._thread = threading.Thread(
-            target=self._produce, args=(source, transform), name="keras_dist-prefetch", daemon=True
+            target=self._produce,
+            args=(iter(self._source), self._transform),
+            name="keras_dist-prefetch",
+            daemon=True,
         )
         self._thread.start()
 
@@ -59,6 +66,8 @@ class Prefetch:
     def __next__(self):
         if self._done:
             raise StopIteration
+        if self._thread is None:
+            self._start()
         item, error = self._queue.get()
         if item is _END:
             self._done = True

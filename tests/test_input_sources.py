@@ -197,3 +197,19 @@ def test_every_source_works_in_fit_evaluate_predict(strategy_name, source):
     predictions = model.predict(make(), verbose=0)
     assert predictions.shape == (96, 1)
     np.testing.assert_allclose(predictions, reference_model.predict(X, verbose=0), rtol=1e-5)
+
+
+def test_reading_ahead_keeps_keras_shuffle_order():
+    # Prefetch starts reading only when the loop asks for the first batch, so
+    # Keras's shuffling draws its random numbers exactly when it would alone.
+    def train(strategy):
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1))
+        model.fit(X, Y, epochs=3, batch_size=16, verbose=0)  # shuffle=True
+        return np.concatenate([w.numpy().ravel() for w in model.weights])
+
+    np.testing.assert_allclose(
+        train(kd.MirroredStrategy(cpus(4))), train(kd.get_strategy()), rtol=1e-6, atol=1e-6
+    )
