@@ -68,3 +68,47 @@ def test_auto_shard_through_input_contexts_of_several_pipelines():
     assert batched == [[[0, 2, 4], [6]], [[1, 3, 5], [7]]]
     with pytest.raises(ValueError, match="Received: num_shards=2, index=2"):
         kd.data.auto_shard(dataset, num_shards=2, index=2)
+
+
+def _range_batches(stop, size):
+    return [np.arange(start, min(start + size, stop)) for start in range(0, stop, size)]
+
+
+def test_spec_52_simulated_on_two_pipelines():
+    # AUTO on range(4) (not file-based: DATA) -> w0 [0],[2] and w1 [1],[3]; OFF -> all.
+    dataset = kd.data.with_auto_shard_policy(range(4), "AUTO")
+    with pytest.warns(UserWarning, match="falling back to DATA"):
+        shards = [list(kd.data.auto_shard(dataset, kd.InputContext(2, i, 2))) for i in (0, 1)]
+    assert shards == [[0, 2], [1, 3]]
+    off = kd.data.with_auto_shard_policy(range(4), "OFF")
+    assert [list(kd.data.auto_shard(off, kd.InputContext(2, i, 2))) for i in (0, 1)] == [
+        [0, 1, 2, 3]
+    ] * 2
+
+
+def test_spec_52_global_batches_split_between_two_replicas():
+    # DATA with range(8).batch(3) across 2 workers: w0 [0,1],[3,4],[6]; w1 [2],[5],[7].
+    # A global batch splits between replicas exactly as TF rebatches it between workers.
+    from conftest import cpus
+
+    strategy = kd.MirroredStrategy(cpus(2))
+    steps = [
+        [v.tolist() for v in strategy.experimental_local_results(batch)]
+        for batch in strategy.experimental_distribute_dataset(_range_batches(8, 3))
+    ]
+    assert steps == [[[0, 1], [2]], [[3, 4], [5]], [[6], [7]]]
+
+
+def test_spec_53_pipelines_of_different_lengths():
+    # Pipeline 0 reads range(8).batch(2), pipeline 1 range(9).batch(2): the last
+    # step gives w0 [] and w1 [8].
+    from conftest import cpus
+
+    strategy = kd.MirroredStrategy(cpus(2))
+    options = kd.InputOptions(experimental_replication_mode=kd.InputReplicationMode.PER_REPLICA)
+    dataset = strategy.distribute_datasets_from_function(
+        lambda ctx: _range_batches(8 + ctx.input_pipeline_id, 2), options
+    )
+    steps = [[v.tolist() for v in strategy.experimental_local_results(b)] for b in dataset]
+    assert steps[-1] == [[], [8]]
+    assert len(steps) == 5
