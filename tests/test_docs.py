@@ -8,7 +8,15 @@ import pytest
 
 import keras_dist as kd
 
-PUBLIC_MODULES = [kd, kd.config, kd.data, kd.experimental, kd.layers, kd.nn]
+PUBLIC_MODULES = [
+    kd,
+    kd.cluster_resolver,
+    kd.config,
+    kd.data,
+    kd.experimental,
+    kd.layers,
+    kd.nn,
+]
 
 
 def _public_names():
