@@ -35,6 +35,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from _jit_baseline import mlp_train_step  # noqa: E402
 from custom_training_loop import build_model  # noqa: E402
+from custom_training_loop import make_train_step  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -47,19 +48,7 @@ def keras_dist_runner(strategy, batches):
     with strategy.scope():
         model = build_model()
         optimizer = keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM)
-    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    global_batch = args.batch
-
-    def train_step(inputs):
-        x, y = inputs
-
-        def loss_fn():
-            per_example = loss_object(y, model(x, training=True))
-            return kd.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-
-        loss, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    train_step = make_train_step(model, optimizer, global_batch_size=args.batch)
 
     dataset = list(strategy.experimental_distribute_dataset(batches))
 

@@ -59,7 +59,7 @@ def build_model():
     )
 
 
-def make_train_step(model, optimizer):
+def make_train_step(model, optimizer, global_batch_size=GLOBAL_BATCH_SIZE):
     loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
     def train_step(inputs):
@@ -67,7 +67,7 @@ def make_train_step(model, optimizer):
 
         def loss_fn():
             per_example_loss = loss_object(y, model(x, training=True))
-            return kd.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH_SIZE)
+            return kd.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
 
         loss, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
