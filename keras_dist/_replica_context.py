@@ -63,8 +63,7 @@ class ReplicaContext:
         devices = self._strategy.extended.worker_devices
         if self._eager_index is not None:
             return (devices[self._eager_index],)
-        if len(devices) == 1:
-            return devices
+        # A compiled trace stands for every replica at once: all their devices.
         return devices
 
     def merge_call(self, merge_fn, args=(), kwargs=None) -> Any:
