@@ -39,11 +39,19 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
-def _default_frame() -> Frame:
-    from keras_dist._default_strategy import default_strategy
+_DEFAULT_FRAME = None
 
-    strategy = default_strategy()
-    return Frame(strategy, strategy.extended._default_replica_context)
+
+def _default_frame() -> Frame:
+    # Asked for several times per step (every context check outside a scope):
+    # built once, since the default strategy and its replica context never change.
+    global _DEFAULT_FRAME
+    if _DEFAULT_FRAME is None:
+        from keras_dist._default_strategy import default_strategy
+
+        strategy = default_strategy()
+        _DEFAULT_FRAME = Frame(strategy, strategy.extended._default_replica_context)
+    return _DEFAULT_FRAME
 
 
 def current_frame() -> Frame:
