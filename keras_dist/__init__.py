@@ -16,6 +16,7 @@ ensure_jax_backend()
 from keras_dist import cluster_resolver as cluster_resolver  # noqa: E402
 from keras_dist import config as config  # noqa: E402
 from keras_dist import data as data  # noqa: E402
+from keras_dist import errors as errors  # noqa: E402
 from keras_dist import experimental as experimental  # noqa: E402
 from keras_dist import layers as layers  # noqa: E402
 from keras_dist import nn as nn  # noqa: E402
@@ -40,6 +41,9 @@ from keras_dist._keras_hooks import install_trainer_hook  # noqa: E402
 from keras_dist._keras_hooks import install_variable_hook  # noqa: E402
 from keras_dist._mirrored import MirroredStrategy as MirroredStrategy  # noqa: E402
 from keras_dist._mirrored import OneDeviceStrategy as OneDeviceStrategy  # noqa: E402
+from keras_dist._multi_worker_mirrored import (  # noqa: E402
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
 from keras_dist._reduce_op import ReduceOp as ReduceOp  # noqa: E402
 from keras_dist._replica_context import ReplicaContext as ReplicaContext  # noqa: E402
 from keras_dist._run_options import RunOptions as RunOptions  # noqa: E402
@@ -69,6 +73,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
@@ -82,6 +87,7 @@ __all__ = [
     "cluster_resolver",
     "config",
     "data",
+    "errors",
     "experimental",
     "experimental_set_strategy",
     "get_cross_replica_context",

@@ -120,7 +120,7 @@ class CrossDeviceOps:
         key = (id(extended), reduce_op, len(stacked_leaves))
         fn = self._jitted.get(key)
         if fn is None:
-            n = extended._num_local_replicas
+            n = extended._num_replicas_in_sync
 
             def body(*leaves):
                 return tuple(self._reduce_in_replica(reduce_op, [x[0] for x in leaves], n))

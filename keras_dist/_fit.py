@@ -204,7 +204,8 @@ class DistributedSteps:
     # ---------------------------------------------------------------- predict
     def _predict_batch(self, data):
         rows = _rows(data)
-        n = self.strategy.extended._num_local_replicas
+        extended = self.strategy.extended
+        n = extended._num_replicas_in_sync
         # Pad to the first batch's size (one compiled program for every batch,
         # the last included), rounded up to a multiple of the replica count.
         if self._predict_rows is None or rows > self._predict_rows:
@@ -214,7 +215,7 @@ class DistributedSteps:
         )
         outputs = self._run(self._replica_predict_step, self._split(padded))
         return jax.tree_util.tree_map(
-            lambda v: _concatenate_replicas(v)[:rows],
+            lambda v: _concatenate_replicas(extended, v)[:rows],
             outputs,
             is_leaf=lambda x: isinstance(x, PerReplica),
         )
@@ -245,10 +246,10 @@ def _pad_rows(x, rows):
     return np.concatenate([x, padding])
 
 
-def _concatenate_replicas(value):
+def _concatenate_replicas(extended, value):
     if isinstance(value, PerReplica):
         if value._stacked is not None:
-            stacked = np.asarray(value._stacked)
+            stacked = np.asarray(extended._all_rows(value._stacked))
             return stacked.reshape((-1,) + stacked.shape[2:])
         return np.concatenate([np.asarray(c) for c in value.values])
     return np.asarray(value)

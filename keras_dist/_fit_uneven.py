@@ -97,6 +97,8 @@ class UnevenSteps:
             )
             auxes.append(aux)
             datas.append(data)
+        # Across processes the other workers' replicas' gradients are added too.
+        summed = self.extended._cross_process_sum(summed)
         trainable, optimizer_values = apply(
             self._values(model.optimizer.variables, 0),
             summed,

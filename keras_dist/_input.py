@@ -128,11 +128,28 @@ class _GlobalBatchSplitter:
     ``(replicas, rows, ...)``: the compiled step takes it as an argument and
     places it itself, which costs a third of a separate ``device_put`` on CPU
     (``fit`` uses this; a distributed dataset places batches ahead of use).
+
+    Across processes every worker reads the same global batch and keeps its
+    replicas' pieces: with ``strided`` pieces ``w, w + W, ...`` of worker ``w``
+    of ``W`` (TF's rebatching followed by DATA sharding, so its values are
+    TF's), otherwise its consecutive ones (replica order is batch order, which
+    ``predict`` relies on).
     """
 
-    def __init__(self, extended, on_host=False):
+    def __init__(self, extended, on_host=False, strided=False):
         self._extended = extended
         self._on_host = on_host
+        self._strided = strided
+
+    def _mine(self, pieces):
+        """This process's share of the ``num_replicas_in_sync`` pieces of a batch."""
+        extended = self._extended
+        if not extended._multi_process:
+            return pieces
+        if self._strided:
+            return pieces[extended._worker_index :: extended._num_workers]
+        start = extended._replica_offset
+        return pieces[start : start + extended._num_local_replicas]
 
     def __call__(self, batch):
         leaves, treedef = jax.tree_util.tree_flatten(batch)
@@ -145,34 +162,45 @@ class _GlobalBatchSplitter:
                 f"shapes={[x.shape for x in leaves]}"
             )
         (size,) = sizes
-        n = self._extended._num_local_replicas
+        n = self._extended._num_replicas_in_sync
         if size and size % n == 0:
             split = [self._stacked(x, n) for x in leaves]
         else:
             bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(size), n)])
-            split = [
-                PerReplica(
+            pieces = self._mine([(bounds[i], bounds[i + 1]) for i in range(n)])
+            split = []
+            for x in leaves:
+                value = PerReplica(
                     tuple(
-                        jax.device_put(x[bounds[i] : bounds[i + 1]], device)
-                        for i, device in enumerate(self._extended._devices)
+                        jax.device_put(x[start:stop], device)
+                        for (start, stop), device in zip(pieces, self._extended._devices)
                     ),
                     _validate=False,
                 )
-                for x in leaves
-            ]
+                value._uneven_across_processes = self._extended._multi_process
+                split.append(value)
         return jax.tree_util.tree_unflatten(treedef, split)
 
     def _stacked(self, x, n):
         stacked = x.reshape((n, x.shape[0] // n) + x.shape[1:])
+        if self._extended._multi_process:
+            rows = self._mine(list(range(n)))
+            return PerReplica(
+                None, _stacked=self._extended._put_local_rows(np.asarray(stacked)[rows])
+            )
         if not (self._on_host and isinstance(stacked, np.ndarray)):
             stacked = jax.device_put(stacked, self._extended._split)
         return PerReplica(None, _stacked=stacked)
 
 
-def _per_replica_batches(extended, batches):
-    """One step from one batch per replica; missing ones become empty batches."""
+def _per_replica_batches(extended, batches, template=None, uneven=False):
+    """One step from one batch per local replica; missing ones become empty batches.
+
+    ``template`` gives the structure of an empty batch when no replica here has
+    one; ``uneven`` marks the step as uneven across processes.
+    """
     present = [b for b in batches if b is not None]
-    template = jax.tree_util.tree_map(_as_array, present[0])
+    template = jax.tree_util.tree_map(_as_array, present[0] if present else template)
     filled = [
         b if b is not None else jax.tree_util.tree_map(lambda x: x[:0], template) for b in batches
     ]
@@ -181,17 +209,104 @@ def _per_replica_batches(extended, batches):
     leaves = []
     for column in zip(*per_leaf):
         column = [_as_array(c) for c in column]
-        if len({c.shape for c in column}) == 1:
+        if not uneven and len({c.shape for c in column}) == 1:
             stacked = np.stack([np.asarray(c) for c in column])
-            leaves.append(PerReplica(None, _stacked=jax.device_put(stacked, extended._split)))
+            leaves.append(PerReplica(None, _stacked=extended._put_local_rows(stacked)))
         else:
-            leaves.append(
-                PerReplica(
-                    tuple(jax.device_put(c, d) for c, d in zip(column, extended._devices)),
-                    _validate=False,
-                )
+            value = PerReplica(
+                tuple(jax.device_put(c, d) for c, d in zip(column, extended._devices)),
+                _validate=False,
             )
+            value._uneven_across_processes = uneven
+            leaves.append(value)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class _AgreedSteps:
+    """Steps of per-worker pipelines that every worker takes together.
+
+    Workers' pipelines may end at different steps (TF: a worker whose data ran
+    out gets empty batches until every worker's has). Each step the workers
+    exchange their replicas' batch sizes with one small collective, on the
+    caller's thread: collectives must run in the same order on every process.
+    """
+
+    def __init__(self, extended, read_local):
+        self._extended = extended
+        self._read_local = read_local  # -> one batch or None per local replica
+        self._template = None
+
+    def __call__(self):
+        extended = self._extended
+        batches = self._read_local()
+        sizes = np.zeros(extended._num_replicas_in_sync, np.int64)
+        for i, batch in enumerate(batches):
+            # Rows + 1, so that an empty batch still counts as present.
+            sizes[extended._replica_offset + i] = 0 if batch is None else _batch_rows(batch) + 1
+        sizes = np.asarray(extended._cross_process_sum(sizes))
+        if not sizes.any():
+            raise StopIteration
+        present = [b for b in batches if b is not None]
+        if present:
+            self._template = present[0]
+        elif self._template is None:
+            raise ValueError(
+                "This worker's input pipeline produced no batch before the other "
+                "workers' ended, so the structure of its empty batches is unknown. Give "
+                "every worker at least one batch. Received: an empty pipeline on worker "
+                f"{extended._worker_index}"
+            )
+        uneven = len(set(np.maximum(sizes - 1, 0).tolist())) > 1
+        return _per_replica_batches(extended, batches, self._template, uneven)
+
+
+def _batch_rows(batch) -> int:
+    leaves = [x for x in jax.tree_util.tree_leaves(batch) if np.ndim(x) > 0]
+    return int(np.shape(leaves[0])[0]) if leaves else 1
+
+
+class _RebatchedForEveryWorker:
+    """AutoShardPolicy.OFF across processes: every worker reads all of the data.
+
+    Each global batch is cut into per-replica batches of ``global / replicas``
+    rows, and each worker's replicas take them in turn (TF's rebatching
+    without sharding: range(12).batch(8) on 2 workers gives each worker
+    [0..3], [4..7], [8..11]).
+    """
+
+    def __init__(self, extended, dataset):
+        self._extended = extended
+        self._dataset = dataset
+
+    def __call__(self):
+        extended = self._extended
+        iterator = iter(self._dataset)
+        pending = []
+        rows = None
+        template = None
+
+        def next_fn():
+            nonlocal rows, template
+            while len(pending) < extended._num_local_replicas:
+                batch = next(iterator, None)
+                if batch is None:
+                    break
+                batch = jax.tree_util.tree_map(_as_array, batch)
+                template = batch
+                size = _batch_rows(batch)
+                rows = rows or max(1, size // extended._num_replicas_in_sync)
+                for start in range(0, size, rows):
+                    pending.append(
+                        jax.tree_util.tree_map(lambda x, s=start: x[s : s + rows], batch)
+                    )
+            if not pending:
+                raise StopIteration
+            step = pending[: extended._num_local_replicas]
+            del pending[: extended._num_local_replicas]
+            step += [None] * (extended._num_local_replicas - len(step))
+            return _per_replica_batches(extended, step, template)
+
+        return next_fn
 
 
 _NOTHING = object()
@@ -299,7 +414,10 @@ class DistributedDataset:
         extended = strategy.extended
         if not hasattr(extended, "_split"):
             return cls(lambda: iter(dataset).__next__)
-        splitter = _GlobalBatchSplitter(extended)
+        if extended._multi_process and _policy_is_off(dataset):
+            rebatched = _RebatchedForEveryWorker(extended, dataset)
+            return cls(lambda: _ahead(rebatched(), options))
+        splitter = _GlobalBatchSplitter(extended, strided=True)
 
         def make_next_fn():
             iterator = iter(dataset)
@@ -314,23 +432,35 @@ class DistributedDataset:
         extended = strategy.extended
         n = strategy.num_replicas_in_sync
         per_replica = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
+        if not hasattr(extended, "_split"):
+            return cls(lambda: iter(dataset_fn(InputContext(1, 0, n))).__next__)
+        local = range(
+            extended._replica_offset, extended._replica_offset + extended._num_local_replicas
+        )
         if per_replica:
-            datasets = [dataset_fn(InputContext(n, i, n)) for i in range(n)]
+            datasets = [dataset_fn(InputContext(n, i, n)) for i in local]
         else:
-            datasets = [dataset_fn(InputContext(1, 0, n))]
+            context = InputContext(extended._num_workers, extended._worker_index, n)
+            datasets = [dataset_fn(context)]
         for dataset in datasets:
             _check_iterable(dataset)
-        if not hasattr(extended, "_split"):
-            return cls(lambda: iter(datasets[0]).__next__)
 
         def make_next_fn():
             iterators = [iter(d) for d in datasets]
 
-            def next_fn():
+            def read_local():
                 batches = []
-                for i in range(n):
+                for i in range(len(local)):
                     iterator = iterators[i] if per_replica else iterators[0]
                     batches.append(next(iterator, None))
+                return batches
+
+            if extended._multi_process:
+                # Local reads run ahead; the step is agreed on the caller's thread.
+                return _AgreedSteps(extended, _ahead(read_local, options))
+
+            def next_fn():
+                batches = read_local()
                 if all(b is None for b in batches):
                     raise StopIteration
                 return _per_replica_batches(extended, batches)
@@ -360,6 +490,12 @@ def _ahead(next_fn, options):
         return next_fn
     size = max(1, options.experimental_per_replica_buffer_size if options else 1)
     return Prefetch(_calls(next_fn), buffer_size=size).__next__
+
+
+def _policy_is_off(dataset) -> bool:
+    from keras_dist.data import AutoShardPolicy
+
+    return getattr(dataset, "auto_shard_policy", None) is AutoShardPolicy.OFF
 
 
 def _calls(next_fn):

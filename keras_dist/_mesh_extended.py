@@ -51,9 +51,25 @@ class _VariableState:
 
 
 class MeshExtended(StrategyExtended):
-    """Extended API over a 1-D mesh of local devices named ``"replica"``."""
+    """Extended API over a 1-D mesh of devices named ``"replica"``.
 
-    def __init__(self, container_strategy, devices, cross_device_ops=None, parameter_device=None):
+    ``devices`` are this process's replicas. ``mesh_devices``, when given, are
+    every process's (multi-worker strategies): the mesh spans them, and values
+    this process holds are its rows of global arrays.
+    """
+
+    # This process's place among the workers (input pipelines).
+    _num_workers = 1
+    _worker_index = 0
+
+    def __init__(
+        self,
+        container_strategy,
+        devices,
+        cross_device_ops=None,
+        parameter_device=None,
+        mesh_devices=None,
+    ):
         super().__init__(container_strategy)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
@@ -61,7 +77,11 @@ class MeshExtended(StrategyExtended):
                 f"kd.NcclAllReduce(). Received: cross_device_ops={cross_device_ops!r}"
             )
         self._devices = tuple(devices)
-        self._mesh = Mesh(np.array(self._devices), (AXIS,))
+        mesh_devices = tuple(mesh_devices or self._devices)
+        self._multi_process = mesh_devices != self._devices
+        # The global id of this process's first replica.
+        self._replica_offset = mesh_devices.index(self._devices[0])
+        self._mesh = Mesh(np.array(mesh_devices), (AXIS,))
         self._replicated = NamedSharding(self._mesh, P())
         self._split = NamedSharding(self._mesh, P(AXIS))
         # Where mirrored variables are stored: replicated on every replica's
@@ -74,8 +94,11 @@ class MeshExtended(StrategyExtended):
             else NamedSharding(Mesh(np.array([parameter_device]), (AXIS,)), P())
         )
         self._num_local_replicas = len(self._devices)
-        self._num_replicas_in_sync = len(self._devices)
-        self._serialize = needs_serializing(self._devices)
+        self._num_replicas_in_sync = len(mesh_devices)
+        self._serialize = needs_serializing(mesh_devices)
+        # Variables whose first value is this process's own (multi-process):
+        # replaced by worker 0's before anything reads them.
+        self._unsynced: list = []
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(self._devices)
         self._keras_distribution = StrategyDistribution(container_strategy)
         self._variable_refs: list = []
@@ -113,6 +136,76 @@ class MeshExtended(StrategyExtended):
     def _gated(self, fn, *args):
         return GATE.call(self._serialize, fn, *args)
 
+    # --------------------------------------------------------------- placement
+    def _put(self, value, sharding):
+        """``value`` (host or local) stored with ``sharding``, without communication.
+
+        On one process this is ``jax.device_put``. Across processes
+        ``device_put`` would first check with a collective that every process
+        passes the same value; callers here guarantee it (or, for first
+        values of variables, replace it with worker 0's afterwards).
+        """
+        if not self._multi_process:
+            return jax.device_put(value, sharding)
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            if value.sharding == sharding:
+                return value
+            return jax.jit(lambda x: x, out_shardings=sharding)(value)
+        host = np.asarray(jnp.asarray(value))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def _put_local_rows(self, stacked):
+        """This process's ``(local_replicas, ...)`` rows as a global stacked array."""
+        if not self._multi_process:
+            return jax.device_put(stacked, self._split)
+        shape = (self._num_replicas_in_sync,) + tuple(np.shape(stacked)[1:])
+        return jax.make_array_from_process_local_data(self._split, np.asarray(stacked), shape)
+
+    def _all_rows(self, stacked):
+        """A stacked array with every process's rows, on this process (an all-gather)."""
+        if not self._multi_process:
+            return stacked
+        return self._gated(self._put, stacked, self._replicated).addressable_data(0)
+
+    def _cross_process_sum(self, tree):
+        """Adds a pytree of local arrays over processes (one collective); local results."""
+        if not self._multi_process:
+            return tree
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        # This process's total goes in its first replica's row, zeros in the others.
+        stacked = []
+        for leaf in leaves:
+            leaf = np.asarray(leaf)
+            rows = np.zeros((self._num_local_replicas,) + leaf.shape, leaf.dtype)
+            rows[0] = leaf
+            stacked.append(self._put_local_rows(rows))
+        summed = self._cross_device_ops._reduce_components(self, ReduceOp.SUM, stacked)
+        return jax.tree_util.tree_unflatten(treedef, [s.addressable_data(0) for s in summed])
+
+    def _sync_initial_values(self):
+        """Gives every process worker 0's first values (TF broadcasts them from the chief)."""
+        variables = [v for v in (r() for r in self._unsynced) if v is not None]
+        self._unsynced = []
+        for variable in variables:
+            variable._keras_dist_unsynced = False
+        mirrored = [
+            v for v in variables if isinstance(v, MirroredVariable) and v._value is not None
+        ]
+        sync_on_read = [
+            v for v in variables if isinstance(v, SyncOnReadVariable) and v._stacked is not None
+        ]
+        if not mirrored and not sync_on_read:
+            return
+        new_mirrored, new_stacked = self._gated(
+            _broadcast_from_replica_0(self._mesh),
+            [self._replicate(v._value) for v in mirrored],
+            [v._stacked for v in sync_on_read],
+        )
+        for variable, value in zip(mirrored, new_mirrored):
+            variable._value = value
+        for variable, value in zip(sync_on_read, new_stacked):
+            variable._stacked = value
+
     # --------------------------------------------------------------- variables
     def _create_variable(self, variable):
         """Keras's variable-creation hook: distributed class, registry, sharding."""
@@ -132,12 +225,17 @@ class MeshExtended(StrategyExtended):
             return self._storage
         self._variable_refs.append(weakref.ref(variable, self._forget_variable))
         self._variables_version += 1
+        if self._multi_process:
+            variable._keras_dist_unsynced = True
+            self._unsynced.append(weakref.ref(variable))
         return self._storage if cls is MirroredVariable else self._replicated
 
     def _forget_variable(self, _ref):
         self._variables_version += 1
 
     def _variable_state(self) -> _VariableState:
+        if self._unsynced:
+            self._sync_initial_values()
         state = self._state_cache
         if state is None or state.version != self._variables_version:
             live = [v for v in (r() for r in self._variable_refs) if v is not None]
@@ -151,9 +249,11 @@ class MeshExtended(StrategyExtended):
         return state
 
     def _broadcast_stacked(self, value):
-        n = self._num_local_replicas
+        n = self._num_replicas_in_sync
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            value = value.addressable_data(0)
         value = jnp.asarray(value)
-        return jax.device_put(jnp.broadcast_to(value, (n,) + value.shape), self._split)
+        return self._put(jnp.broadcast_to(value, (n,) + value.shape), self._split)
 
     def _stack_components(self, components):
         shapes = {tuple(jnp.shape(c)) for c in components}
@@ -169,11 +269,14 @@ class MeshExtended(StrategyExtended):
             jax.device_put(jnp.reshape(jnp.asarray(c), (1,) + shape), d)
             for c, d in zip(components, self._devices)
         ]
-        return jax.make_array_from_single_device_arrays((len(arrays),) + shape, self._split, arrays)
+        global_shape = (self._num_replicas_in_sync,) + shape
+        return jax.make_array_from_single_device_arrays(global_shape, self._split, arrays)
 
     def _as_stacked(self, value: DistributedValues):
         stacked = value._stacked
         if isinstance(stacked, np.ndarray):
+            if self._multi_process:
+                return self._put_local_rows(stacked)
             return stacked  # host batch: the compiled step places it (see _input)
         if stacked is not None and stacked.sharding == self._split:
             return stacked
@@ -182,7 +285,7 @@ class MeshExtended(StrategyExtended):
     def _replicate(self, value):
         if isinstance(value, jax.Array) and value.sharding == self._replicated:
             return value
-        return jax.device_put(value, self._replicated)
+        return self._put(value, self._replicated)
 
     def _unwrap_mirrored(self, value):
         if not isinstance(value, DistributedValues):
@@ -351,7 +454,7 @@ class MeshExtended(StrategyExtended):
                 return fn(var, *local[0], **local[1])
         results = []
         for i in range(self._num_local_replicas):
-            context = ReplicaContext(strategy, i, _eager_index=i)
+            context = ReplicaContext(strategy, self._replica_offset + i, _eager_index=i)
             a, k = _select(i, (args, kwargs))
             with _context.push(_context.Frame(strategy, context)):
                 results.append(fn(var, *a, **k))
@@ -376,9 +479,11 @@ class MeshExtended(StrategyExtended):
         target = self._devices[0]
         components = [jnp.asarray(c) for c in value.values]
         total = sum(jax.device_put(jnp.sum(c, axis=axis), target) for c in components)
+        count = sum(c.shape[axis] for c in components)
+        if self._multi_process:
+            total, count = self._cross_process_sum((total, np.asarray(count)))
         if reduce_op is ReduceOp.SUM:
             return total
-        count = sum(c.shape[axis] for c in components)
         return total / count
 
     def _gather(self, value, axis):
@@ -386,16 +491,44 @@ class MeshExtended(StrategyExtended):
             return value._traced.engine.gather_traced(value, axis)
         if not isinstance(value, DistributedValues):
             value = Mirrored((value,) * self._num_local_replicas, _validate=False)
+        if self._multi_process:
+            return self._gather_across_processes(value.values, axis)
         target = self._devices[0]
         return jnp.concatenate(
             [jax.device_put(jnp.asarray(c), target) for c in value.values], axis=axis
         )
 
+    def _gather_across_processes(self, components, axis):
+        """Every replica's component, concatenated on ``axis``, on every process.
+
+        Components may differ in size on ``axis`` (partial batches): the sizes
+        are exchanged first, and each component travels padded to the largest.
+        """
+        components = [jnp.asarray(c) for c in components]
+        axis = axis % components[0].ndim
+        sizes = np.zeros(self._num_replicas_in_sync, np.int32)
+        for i, c in enumerate(components):
+            sizes[self._replica_offset + i] = c.shape[axis]
+        sizes = np.asarray(self._cross_process_sum(sizes))
+        largest = int(sizes.max())
+
+        def pad(c):
+            widths = [(0, 0)] * c.ndim
+            widths[axis] = (0, largest - c.shape[axis])
+            return jnp.pad(c, widths)
+
+        everything = self._all_rows(self._stack_components([pad(c) for c in components]))
+        pieces = [
+            jax.lax.slice_in_dim(everything[i], 0, int(size), axis=axis)
+            for i, size in enumerate(sizes)
+        ]
+        return jnp.concatenate(pieces, axis=axis)
+
     def _distribute_values_from_function(self, value_fn):
         n = self._num_replicas_in_sync
         per_replica = []
         for i, device in enumerate(self._devices):
-            value = value_fn(ValueContext(i, n))
+            value = value_fn(ValueContext(self._replica_offset + i, n))
             per_replica.append(
                 jax.tree_util.tree_map(lambda x, d=device: jax.device_put(x, d), value)
             )
@@ -404,6 +537,35 @@ class MeshExtended(StrategyExtended):
 
 def _is_dv(x):
     return isinstance(x, DistributedValues)
+
+
+_BROADCASTS: dict = {}
+
+
+def _broadcast_from_replica_0(mesh):
+    """A program giving every replica replica 0's mirrored values and components."""
+    if mesh not in _BROADCASTS:
+
+        def from_first(x):
+            dtype = x.dtype
+            if dtype == jnp.bool_:
+                x = x.astype(jnp.int8)
+            first = jax.lax.psum(jnp.where(jax.lax.axis_index(AXIS) == 0, x, 0), AXIS)
+            return first.astype(dtype)
+
+        def body(mirrored, stacked):
+            return [from_first(x) for x in mirrored], [from_first(x) for x in stacked]
+
+        _BROADCASTS[mesh] = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), P(AXIS)),
+                out_specs=(P(), P(AXIS)),
+                check_vma=False,
+            )
+        )
+    return _BROADCASTS[mesh]
 
 
 def _committed_devices(value):
@@ -473,6 +635,8 @@ def _stacked_axis_reducer(reduce_op, axis):
 
 def _has_uneven_components(structure) -> bool:
     for leaf in jax.tree_util.tree_leaves(structure, is_leaf=_is_dv):
+        if isinstance(leaf, PerReplica) and leaf._uneven_across_processes:
+            return True
         if isinstance(leaf, PerReplica) and leaf._stacked is None and leaf._traced is None:
             shapes = {tuple(np.shape(c)) for c in leaf.values}
             if len(shapes) > 1:

@@ -44,6 +44,8 @@ class DistributedValues:
         self._replicated = _replicated  # Mirrored: one value replicated on the mesh
         self._traced = _traced  # a `_TracedValue` inside a compiled merge_call
         self._sum = None  # the replicas' sum, when the compiled step computed it
+        # Across processes: the replicas' shapes differ somewhere, maybe not here.
+        self._uneven_across_processes = False
 
     @property
     def values(self) -> tuple:

@@ -35,11 +35,30 @@ class DistributedVariable(BackendVariable):
     """Base of the variables a strategy creates. Not constructed directly."""
 
     _distribute_strategy = None
+    # Across processes: the first value is still this process's own (see
+    # ``MeshExtended._sync_initial_values``).
+    _keras_dist_unsynced = False
 
     @property
     def distribute_strategy(self):
         """The strategy whose scope created this variable."""
         return self._distribute_strategy
+
+    def _direct_assign(self, value):
+        extended = getattr(self._distribute_strategy, "extended", None)
+        if getattr(extended, "_multi_process", False) and not isinstance(value, jax.core.Tracer):
+            # Keras would ``device_put`` onto the global mesh, which first checks
+            # with a collective that every process passes the same value.
+            self._value = extended._put(value, self._layout)
+            return
+        super()._direct_assign(value)
+
+    def _sync_if_needed(self):
+        # Not while something is traced (a variable created in a trace is read
+        # before it is threaded): the engine syncs before it builds a program.
+        if self._keras_dist_unsynced and _context.current_frame().engine is None:
+            if get_stateless_scope() is None:
+                self._distribute_strategy.extended._sync_initial_values()
 
     def _scope_value(self):
         scope = get_stateless_scope()
@@ -110,6 +129,7 @@ class MirroredVariable(DistributedVariable):
         replica_context = self._replica_context()
         if replica_context is not None and replica_context._eager_index is not None:
             return self._maybe_autocast(self._component(replica_context._eager_index))
+        self._sync_if_needed()
         return super().value
 
     def _component(self, index):
@@ -187,6 +207,7 @@ class SyncOnReadVariable(DistributedVariable):
             return self._maybe_autocast(self._local_components()[index])
         if self._stacked is None:
             return super().value
+        self._sync_if_needed()
         if self.aggregation == "none":
             # TF's wording ("Could not convert from `tf.VariableAggregation`
             # VariableAggregation.NONE ..."), which TF's tests match.
@@ -299,6 +320,6 @@ def numpy_components(variable) -> list:
     if isinstance(variable, SyncOnReadVariable):
         return [np.asarray(c) for c in variable._local_components()]
     if isinstance(variable, MirroredVariable):
-        n = variable._distribute_strategy.num_replicas_in_sync
+        n = variable._distribute_strategy.extended._num_local_replicas
         return [np.asarray(variable._component(i)) for i in range(n)]
     return [np.asarray(variable.value)]

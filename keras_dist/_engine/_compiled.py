@@ -95,7 +95,7 @@ class CompiledReplica:
 
     def __init__(self, extended):
         self._extended = extended
-        self.num_replicas = extended._num_local_replicas
+        self.num_replicas = extended._num_replicas_in_sync
         self.replica_context = None
 
     @property
@@ -287,7 +287,7 @@ class CompiledEngine:
             foreign = list(self._foreign.values())
             record = _Record()
             body = self._body(fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record)
-            stacked_out = extended._num_local_replicas > 1
+            stacked_out = extended._num_replicas_in_sync > 1
             mapped = jax.shard_map(
                 body,
                 mesh=extended._mesh,
@@ -357,7 +357,7 @@ class CompiledEngine:
                 else:
                     layout.append(leaf)
             sums = []
-            if extended._num_local_replicas > 1:
+            if extended._num_replicas_in_sync > 1:
                 sums = [lax.psum(a, AXIS) if _reduce_in_program(a) else None for a in arrays]
                 arrays = [a[None] for a in arrays]
             record.out = (out_treedef, layout, [x is not None for x in sums])

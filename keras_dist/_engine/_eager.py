@@ -52,7 +52,8 @@ class _ReplicaThread(threading.Thread):
         self.should_run.clear()
         strategy = self.engine._extended._container_strategy()
         replica = _EagerReplica(self)
-        context = ReplicaContext(strategy, self.index, _engine=replica, _eager_index=self.index)
+        replica_id = strategy.extended._replica_offset + self.index
+        context = ReplicaContext(strategy, replica_id, _engine=replica, _eager_index=self.index)
         try:
             with _context.push(_context.Frame(strategy, context, engine=replica)):
                 with jax.default_device(self.device):
