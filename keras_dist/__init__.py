@@ -20,6 +20,7 @@ from keras_dist import errors as errors  # noqa: E402
 from keras_dist import experimental as experimental  # noqa: E402
 from keras_dist import layers as layers  # noqa: E402
 from keras_dist import nn as nn  # noqa: E402
+from keras_dist import testing as testing  # noqa: E402
 from keras_dist._context import experimental_set_strategy as experimental_set_strategy  # noqa: E402
 from keras_dist._context import get_cross_replica_context as get_cross_replica_context  # noqa: E402
 from keras_dist._context import get_replica_context as get_replica_context  # noqa: E402
@@ -37,6 +38,7 @@ from keras_dist._input import InputContext as InputContext  # noqa: E402
 from keras_dist._input import InputOptions as InputOptions  # noqa: E402
 from keras_dist._input import InputReplicationMode as InputReplicationMode  # noqa: E402
 from keras_dist._keras_hooks import install_optimizer_hook  # noqa: E402
+from keras_dist._launch import launch as launch  # noqa: E402
 from keras_dist._keras_hooks import install_trainer_hook  # noqa: E402
 from keras_dist._keras_hooks import install_variable_hook  # noqa: E402
 from keras_dist._mirrored import MirroredStrategy as MirroredStrategy  # noqa: E402
@@ -95,7 +97,9 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "launch",
     "layers",
     "nn",
+    "testing",
     "value_and_grad",
 ]

@@ -11,10 +11,13 @@ import enum
 import logging
 
 import jax
+import jax.numpy as jnp
 
+from keras_dist import _context
 from keras_dist import _distributed_runtime
 from keras_dist._engine._gate import GATE
 from keras_dist._mesh_extended import MeshExtended
+from keras_dist._reduce_op import ReduceOp
 from keras_dist._strategy import Strategy
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.cluster_resolver import TFConfigClusterResolver
@@ -197,6 +200,18 @@ class MultiWorkerExtended(MeshExtended):
         # running it under the watch, with a deadline, means a lost peer is
         # reported by name instead of hanging this or a later read.
         return GATE.call(True, self._watch.call, fn, *args)
+
+    def _reduce_non_distributed(self, reduce_op, value):
+        """A plain value is this worker's: SUM adds it over workers, as TF does.
+
+        (Spec: two workers reducing a host tensor 1 with SUM get 2.) Inside a
+        compiled program the value is a constant of the trace and keeps the
+        one-process rule.
+        """
+        traced = isinstance(value, jax.core.Tracer) or _context.current_frame().engine is not None
+        if not self._multi_process or reduce_op is ReduceOp.MEAN or traced:
+            return super()._reduce_non_distributed(reduce_op, value)
+        return self._cross_process_sum(jnp.asarray(value))
 
     @property
     def should_checkpoint(self) -> bool:

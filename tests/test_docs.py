@@ -16,6 +16,8 @@ PUBLIC_MODULES = [
     kd.experimental,
     kd.layers,
     kd.nn,
+    kd.testing,
+    kd.errors,
 ]
 
 

@@ -1,0 +1,102 @@
+"""What crossing processes costs: ``fit`` on 2 processes x 1 device against 1 process x 2 devices.
+
+In one invocation, on the same machine, the same model, data and global batch:
+
+(a) ``MultiWorkerMirroredStrategy`` in two local processes with one CPU device each
+    (``kd.launch``; gloo collectives through 127.0.0.1);
+(b) ``MirroredStrategy`` in one process with two simulated CPU devices (also started
+    with ``kd.launch``, so both pay the same process start-up outside the timing).
+
+    python benchmarks/multi_worker.py [--batch 256] [--steps 100] [--repeats 5]
+
+Prints one line: both throughputs (median of the repeats, timed inside the workers)
+and their ratio.
+"""
+
+import argparse
+import statistics
+
+import keras_dist as kd
+
+FEATURES, HIDDEN, CLASSES = 128, 512, 10
+
+
+def measure(strategy_name, batch, steps, repeats):
+    """Runs in each worker: steps per second of one epoch of ``steps`` batches, per repeat."""
+    import time
+
+    import keras_dist as kd
+
+    if strategy_name == "multi_worker":
+        strategy = kd.MultiWorkerMirroredStrategy()
+    else:
+        strategy = kd.MirroredStrategy()
+    import keras
+    import numpy as np
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(HIDDEN, activation="relu"),
+                keras.layers.Dense(HIDDEN, activation="relu"),
+                keras.layers.Dense(CLASSES),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * steps, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, batch * steps).astype("int32")
+
+    def epoch():
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+
+    epoch()  # compiles
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        epoch()
+        rates.append(steps / (time.perf_counter() - start))
+    return rates
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=256, help="global batch size")
+    parser.add_argument("--steps", type=int, default=100, help="steps per epoch")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    work = (args.batch, args.steps, args.repeats)
+    processes = kd.launch(
+        measure,
+        num_workers=2,
+        devices_per_worker=1,
+        args=("multi_worker",) + work,
+        stream_output=False,
+        timeout=900,
+    )
+    (devices,) = kd.launch(
+        measure,
+        num_workers=1,
+        devices_per_worker=2,
+        args=("mirrored",) + work,
+        stream_output=False,
+        timeout=900,
+    )
+    # Both workers time the same synchronous steps; the chief's figures stand for them.
+    across = statistics.median(processes[0])
+    within = statistics.median(devices)
+    print(
+        f"multi_worker: 2 processes x 1 device {across:.0f} steps/s vs 1 process x 2 "
+        f"devices {within:.0f} steps/s, ratio {across / within:.2f} (the cost of crossing "
+        f"processes; cpu, global batch {args.batch}, median of {args.repeats} x "
+        f"{args.steps} steps)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The ``keras-dist`` command.
+
+``keras-dist launch`` runs a script once per task of a local cluster (127.0.0.1, free ports),
+each process with its ``TF_CONFIG``, and streams their output prefixed with the task::
+
+    keras-dist launch --workers 2 train.py --epochs 3
+    python -m keras_dist._launch._cli launch --chief --workers 2 train.py
+
+It exits with 0 when every task succeeded, otherwise with the exit code of the first task
+that failed (128 + N for a task killed by signal N, 124 after ``--timeout``). Ctrl-C or
+SIGTERM stops the tasks: SIGTERM, then SIGKILL after a grace period.
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+from keras_dist._launch._errors import SubprocessTimeoutError
+from keras_dist._launch._errors import UnexpectedSubprocessExitError
+from keras_dist._launch._errors import WorkerError
+from keras_dist._launch._launcher import run_elastic
+from keras_dist._launch._process import describe_exit
+from keras_dist._launch._program import ScriptProgram
+from keras_dist._launch._runner import MultiProcessRunner
+
+_TIMEOUT_EXIT_CODE = 124  # As the `timeout` command.
+
+_EXAMPLES = """\
+examples:
+  keras-dist launch --workers 2 train.py --epochs 3
+  keras-dist launch --chief --workers 2 --devices-per-worker 2 train.py
+  keras-dist launch --workers 4 --max-restarts 3 -m my_package.train
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``keras-dist`` with ``argv`` (default: the command line); returns the exit code."""
+    parser = _parser()
+    options = parser.parse_args(argv)
+    if options.command is None:
+        parser.print_help()
+        return 2
+    if not options.module and not os.path.isfile(options.script):
+        parser.error(f"no such script: {options.script!r}")
+    return _launch(options)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="keras-dist", description="Tools for keras_dist, the tf.distribute API for Keras 3."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    launch = commands.add_parser(
+        "launch",
+        help="run a script once per task of a local cluster",
+        description=(
+            "Run `python SCRIPT ARGS` once per task of a cluster on 127.0.0.1, each process "
+            "with its TF_CONFIG, so that MultiWorkerMirroredStrategy() in the script finds "
+            "the others. Output is streamed, prefixed with the task."
+        ),
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument(
+        "--workers", type=_count(1), default=2, metavar="N", help="worker tasks (default: 2)"
+    )
+    launch.add_argument("--chief", action="store_true", help="add a chief task")
+    launch.add_argument(
+        "--devices-per-worker",
+        type=_count(1),
+        default=None,
+        metavar="K",
+        help="simulated CPU devices per task (default: one device each)",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=_count(0),
+        default=0,
+        metavar="R",
+        help="restart every task on new ports up to R times after a failure (default: 0)",
+    )
+    launch.add_argument(
+        "--timeout",
+        type=_seconds(positive=True),
+        default=None,
+        metavar="S",
+        help="stop every task after S seconds, restarts included, and exit with 124",
+    )
+    launch.add_argument(
+        "--grace",
+        type=_seconds(positive=False),
+        default=30.0,
+        metavar="S",
+        help="after a task failed, seconds the others get before they are stopped (default: 30)",
+    )
+    launch.add_argument(
+        "--log-dir", default=None, metavar="DIR", help="keep each task's log in DIR/<task>.log"
+    )
+    launch.add_argument(
+        "-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)"
+    )
+    launch.add_argument("script", metavar="SCRIPT", help="the Python script (or module)")
+    launch.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments"
+    )
+    return parser
+
+
+def _launch(options: argparse.Namespace) -> int:
+    program = ScriptProgram(options.script, options.script_args, module=options.module)
+
+    def runner(cluster):
+        return MultiProcessRunner(
+            program,
+            cluster,
+            devices_per_worker=options.devices_per_worker,
+            failure_grace=options.grace,
+            log_dir=options.log_dir,
+        )
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run_elastic(
+            runner,
+            num_workers=options.workers,
+            has_chief=options.chief,
+            max_restarts=options.max_restarts,
+            timeout=options.timeout,
+        )
+    except SubprocessTimeoutError:
+        _say(f"the tasks did not finish within --timeout {options.timeout:g} s; stopped them.")
+        return _TIMEOUT_EXIT_CODE
+    except (UnexpectedSubprocessExitError, WorkerError) as error:
+        code = error.exit_codes.get((error.task_type, error.task_id))
+        _say(f"{error.task_type} {error.task_id} failed ({describe_exit(code)}).")
+        return _shell_exit_code(code)
+    except _Stopped as stop:
+        _say(f"stopped by {signal.Signals(stop.signum).name}; every task was stopped.")
+        return 128 + stop.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+class _Stopped(BaseException):
+    """Ctrl-C or SIGTERM reached the launcher (a BaseException, as KeyboardInterrupt)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    del frame
+    # os.write: the main thread may be inside sys.stdout/sys.stderr when the signal comes.
+    os.write(2, f"keras-dist: {signal.Signals(signum).name}: stopping every task.\n".encode())
+    # Raised in the main thread, wherever it waits: leaving the runner's `with` block stops
+    # the tasks (SIGTERM, then SIGKILL). A second signal there kills them at exit instead.
+    raise _Stopped(signum)
+
+
+def _shell_exit_code(code: int | None) -> int:
+    if code is None or code == 0:
+        return 1
+    return 128 - code if code < 0 else code
+
+
+def _say(message: str) -> None:
+    print(f"keras-dist: {message}", file=sys.stderr, flush=True)
+
+
+def _count(minimum: int):
+    def integer(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return integer
+
+
+def _seconds(positive: bool):
+    def seconds(text: str) -> float:
+        value = float(text)
+        if value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise argparse.ArgumentTypeError(f"must be seconds {bound}, got {value:g}")
+        return value
+
+    return seconds
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""``launch``: run a function on a local cluster of processes, restarting the whole cluster.
+
+Restarts follow torchrun's elastic agent rather than TF's ``auto_restart``: when a task fails,
+every task is stopped and the whole cluster starts again on fresh ports, so a job that saves
+with ``BackupAndRestore`` resumes from its last backup.
+"""
+
+import sys
+import time
+
+from keras_dist._launch._cluster import create_cluster_spec
+from keras_dist._launch._errors import UnexpectedSubprocessExitError
+from keras_dist._launch._errors import WorkerError
+from keras_dist._launch._runner import MultiProcessRunner
+
+
+def launch(
+    fn,
+    num_workers: int = 2,
+    *,
+    has_chief: bool = False,
+    args=(),
+    kwargs: dict | None = None,
+    devices_per_worker: int | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    max_restarts: int = 0,
+    stream_output: bool = True,
+    failure_grace: float = 30.0,
+) -> list:
+    """Runs ``fn(*args, **kwargs)`` in ``num_workers`` local processes; returns their results.
+
+    Every process is one task of a cluster on 127.0.0.1 (free ports), with ``TF_CONFIG`` set,
+    so ``MultiWorkerMirroredStrategy()`` inside ``fn`` joins the others. Works from a script
+    and from a notebook (``fn`` may be defined in a cell).
+
+    Args:
+        fn: The function every task calls; its return value must be picklable.
+        num_workers: The number of ``"worker"`` tasks.
+        has_chief: Whether to add a ``"chief"`` task (it comes first in the results).
+        args: Positional arguments of ``fn``.
+        kwargs: Keyword arguments of ``fn``.
+        devices_per_worker: Simulated CPU devices per task; by default one device each.
+        env: Environment variables for every task.
+        timeout: Seconds for the whole call, restarts included; then every task is stopped
+            and ``SubprocessTimeoutError`` is raised. ``None`` for no limit.
+        max_restarts: How many times the whole cluster may start again, on new ports, after
+            a task failed.
+        stream_output: Print every task's output as it comes, prefixed ``[worker 1] ``.
+        failure_grace: Seconds the other tasks get after a task failed (to finish, or to
+            report their own error) before they are stopped.
+
+    Returns:
+        The return value of every task: chief first, then the workers by index.
+
+    Raises:
+        WorkerError: a task's function raised (also an instance of its exception's type).
+        UnexpectedSubprocessExitError: a task exited non-zero or was killed.
+        SubprocessTimeoutError: ``timeout`` passed.
+
+    >>> def square(x):
+    ...     import json, os
+    ...     return json.loads(os.environ["TF_CONFIG"])["task"]["index"] ** x
+    >>> launch(square, num_workers=3, args=(2,), stream_output=False, timeout=60)
+    [0, 1, 4]
+    """
+
+    def runner(cluster):
+        return MultiProcessRunner(
+            fn,
+            cluster,
+            args=args,
+            kwargs=kwargs,
+            env=env,
+            devices_per_worker=devices_per_worker,
+            stream_output=stream_output,
+            failure_grace=failure_grace,
+        )
+
+    return run_elastic(
+        runner,
+        num_workers=num_workers,
+        has_chief=has_chief,
+        max_restarts=max_restarts,
+        timeout=timeout,
+        verbose=stream_output,
+    )
+
+
+def run_elastic(
+    make_runner, *, num_workers, has_chief, max_restarts, timeout, verbose=True
+) -> list:
+    """Runs ``make_runner(cluster_spec)`` until it succeeds, at most ``max_restarts + 1`` times.
+
+    Each attempt gets a new cluster on fresh ports; a timeout is not retried. ``verbose``
+    prints a line before each restart.
+    """
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(
+            "`max_restarts` must be a non-negative integer. "
+            f"Received: max_restarts={max_restarts!r}"
+        )
+    if timeout is not None and (isinstance(timeout, bool) or timeout <= 0):
+        raise ValueError(
+            f"`timeout` must be None or positive seconds. Received: timeout={timeout!r}"
+        )
+    deadline = None if timeout is None else time.monotonic() + timeout
+    attempt = 0
+    while True:
+        cluster = create_cluster_spec(has_chief=has_chief, num_workers=num_workers)
+        with make_runner(cluster) as runner:
+            runner.start()
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                return runner.join(timeout=remaining)
+            except (WorkerError, UnexpectedSubprocessExitError) as error:
+                if attempt == max_restarts:
+                    raise
+                attempt += 1
+                if verbose:
+                    summary = str(error).splitlines()[0].rstrip(".")
+                    _announce(
+                        f"{summary}; restarting every task on new ports "
+                        f"(restart {attempt} of {max_restarts})."
+                    )
+
+
+def _announce(message: str) -> None:
+    # Through sys.stdout like the tasks' lines, so it shows in order (and in notebooks).
+    if sys.stdout is not None:
+        sys.stdout.write(f"[keras-dist] {message}\n")
+        sys.stdout.flush()

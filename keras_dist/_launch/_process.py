@@ -1,0 +1,170 @@
+"""One task's operating-system process: its own session, a log file, prefixed live output.
+
+Each task runs in a new session (so its own process group): signals reach the task and
+everything it started, and a Ctrl-C in the terminal reaches only the launcher, which then
+stops the tasks in order. Stopping escalates from SIGTERM to SIGKILL, because processes that
+called ``jax.distributed.initialize`` have been seen to ignore SIGTERM.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+# One lock for every task's output, so that lines of different tasks never interleave.
+_OUTPUT_LOCK = threading.Lock()
+# How long a finished task's output may take to drain after the process is gone.
+_DRAIN_TIMEOUT = 5.0
+
+
+class TaskProcess:
+    """The process of one task (restartable): output to ``log_path``, optionally streamed.
+
+    Streamed lines go to ``sys.stdout`` as it is when the line arrives, prefixed with the
+    task (``[worker 1] ``), which also works where ``sys.stdout`` is a notebook's stream.
+    """
+
+    def __init__(self, task_type: str, task_id: int, log_path: str, stream_output: bool):
+        self.task_type = task_type
+        self.task_id = task_id
+        self.log_path = log_path
+        self._stream_output = stream_output
+        self.popen: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.task_type} {self.task_id}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.popen is None else self.popen.pid
+
+    def start(self, command: list[str], env: dict[str, str], banner: str | None = None) -> None:
+        """Starts (or restarts) the task; ``banner`` is a line for the log before its output."""
+        log = open(self.log_path, "ab")  # Closed by the reader thread, at the end of output.
+        if banner:
+            log.write(f"{banner}\n".encode())
+            log.flush()
+            self._stream(f"{banner}\n")
+        try:
+            self.popen = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except BaseException:
+            log.close()
+            raise
+        self._reader = threading.Thread(
+            target=self._pump,
+            args=(self.popen.stdout, log),
+            name=f"keras-dist-output-{self.task_type}-{self.task_id}",
+            daemon=True,
+        )
+        self._reader.start()
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while running."""
+        return None if self.popen is None else self.popen.poll()
+
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def send(self, signum: int) -> None:
+        """Sends ``signum`` to the task's process group (the task and what it started)."""
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # The whole group is gone already.
+
+    def finish(self) -> None:
+        """After the task exited: kills what it left behind and waits for its output."""
+        # Processes the task started would keep the output pipe (and resources) open.
+        self.send(signal.SIGKILL)
+        if self._reader is not None:
+            self._reader.join(_DRAIN_TIMEOUT)
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, "rb") as file:
+                return file.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def _pump(self, pipe, log) -> None:
+        with pipe, log:
+            for line in iter(pipe.readline, b""):
+                log.write(line)
+                log.flush()
+                if self._stream_output:
+                    self._stream(line.decode("utf-8", errors="replace"))
+
+    def _stream(self, text: str) -> None:
+        if not self._stream_output or sys.stdout is None:
+            return
+        if not text.endswith("\n"):
+            text += "\n"
+        with _OUTPUT_LOCK:
+            try:
+                sys.stdout.write(f"[{self.name}] {text}")
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass  # The stream was closed (the interpreter is shutting down).
+
+
+def terminate(processes: list[TaskProcess], grace: float) -> None:
+    """SIGTERM to each process group; SIGKILL to those still running after ``grace`` seconds.
+
+    Returns when every process has exited.
+    """
+    running = [process for process in processes if process.running()]
+    for process in running:
+        process.send(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while running and time.monotonic() < deadline:
+        time.sleep(0.02)
+        running = [process for process in running if process.running()]
+    for process in running:
+        process.send(signal.SIGKILL)
+    for process in running:
+        process.popen.wait()
+
+
+def kill(processes: list[TaskProcess]) -> None:
+    """SIGKILL to each process group, as a crash would; returns when every process has exited."""
+    running = [process for process in processes if process.running()]
+    for process in running:
+        process.send(signal.SIGKILL)
+    for process in running:
+        process.popen.wait()
+
+
+def kill_now(processes: list[TaskProcess]) -> None:
+    """SIGKILL to every running process group, without waiting (for clean-up at exit)."""
+    for process in processes:
+        if process.running():
+            process.send(signal.SIGKILL)
+
+
+def describe_exit(code: int | None) -> str:
+    """``"exit code 3"``, ``"killed by SIGKILL"``, or ``"running"``.
+
+    >>> describe_exit(3), describe_exit(-9), describe_exit(None)
+    ('exit code 3', 'killed by SIGKILL', 'running')
+    """
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

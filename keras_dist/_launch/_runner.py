@@ -1,0 +1,513 @@
+"""``MultiProcessRunner``: one supervised process per task of a cluster.
+
+Modelled on TF's ``multi_process_runner.MultiProcessRunner``. A monitor thread watches the
+tasks: it restarts failed tasks (``auto_restart``), and once a task has failed (or the chief
+has exited, with ``dependence_on_chief``) it gives the others ``failure_grace`` seconds to
+finish or report their own error, then stops them. ``join`` waits and raises what went wrong.
+"""
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from typing import NamedTuple
+
+from keras_dist._launch import _process
+from keras_dist._launch._cluster import task_keys
+from keras_dist._launch._cluster import tf_config
+from keras_dist._launch._env import child_environment
+from keras_dist._launch._errors import SubprocessTimeoutError
+from keras_dist._launch._errors import UnexpectedSubprocessExitError
+from keras_dist._launch._errors import format_logs
+from keras_dist._launch._errors import remote_error
+from keras_dist._launch._program import FunctionProgram
+from keras_dist._launch._program import ScriptProgram
+
+_CHIEF = ("chief", 0)
+_POLL_INTERVAL = 0.05
+
+
+class TaskStatus(NamedTuple):
+    """One task's state, from ``MultiProcessRunner.process_status()``.
+
+    ``state`` is ``"not started"``, ``"running"``, ``"succeeded"``, ``"failed"`` or
+    ``"terminated"`` (stopped by the runner or by you); ``exit_code`` is negative when a
+    signal ended the process; ``restarts`` counts automatic and manual restarts.
+    """
+
+    state: str
+    exit_code: int | None
+    pid: int | None
+    restarts: int
+
+
+class _Slot:
+    """The runner's record of one task, across its restarts."""
+
+    def __init__(self, process: _process.TaskProcess):
+        self.process = process
+        self.starts = 0
+        self.exit_code = None
+        self.outcome = None
+        # Stopped by the runner or the user: neither a failure nor restarted.
+        self.stopped = False
+        self.failed_at = None
+
+    @property
+    def started(self) -> bool:
+        return self.starts > 0
+
+    @property
+    def returned(self) -> bool:
+        return self.outcome is not None and self.outcome.returned
+
+    @property
+    def state(self) -> str:
+        if not self.started:
+            return "not started"
+        if self.exit_code is None:
+            return "running"
+        if self.failed_at is not None:
+            return "failed"
+        if self.stopped and not self.returned:
+            return "terminated"
+        return "succeeded"
+
+
+class MultiProcessRunner:
+    """Runs ``fn(*args, **kwargs)`` in one process per task of ``cluster_spec``.
+
+    Each task's process gets ``TF_CONFIG`` with the cluster and its own task, so a strategy
+    created there (``MultiWorkerMirroredStrategy``) finds its peers. ``fn`` travels with
+    cloudpickle: functions of scripts, notebooks and test files are sent by value.
+
+    Args:
+        fn: The function each task calls. Its return value must be picklable.
+        cluster_spec: ``{"chief": [...], "worker": [...]}``, as from ``create_cluster_spec``.
+        args: Positional arguments of ``fn``.
+        kwargs: Keyword arguments of ``fn``.
+        max_run_time: Seconds after ``start()`` when every task is stopped and ``join``
+            raises ``SubprocessTimeoutError``; ``None`` for no limit.
+        env: Environment variables for every task, over the inherited ones.
+        devices_per_worker: Simulated CPU devices per task (``JAX_PLATFORMS=cpu``); by
+            default a task has one CPU device even when this process simulates several.
+        auto_restart: Restart a task that fails (non-zero exit or an exception), with the
+            same ``TF_CONFIG``.
+        max_restarts: Restarts allowed per task with ``auto_restart``; ``None`` for no limit
+            (as TF).
+        stream_output: Print each line of each task as it comes, prefixed ``[worker 1] ``.
+            Every task's output is also kept: see ``logs``.
+        dependence_on_chief: When the chief exits, stop the other tasks (after
+            ``failure_grace``).
+        failure_grace: Seconds the other tasks get, after a task failed or the chief exited,
+            to finish or to report their own error, before they are stopped.
+        terminate_grace: Seconds between SIGTERM and SIGKILL when a task is stopped.
+        log_dir: Folder for the log files (``<task_type>-<task_id>.log``); by default a
+            temporary folder removed with the runner.
+
+    >>> def where_am_i():
+    ...     import json, os
+    ...     return json.loads(os.environ["TF_CONFIG"])["task"]
+    >>> from keras_dist.testing import create_cluster_spec
+    >>> cluster = create_cluster_spec(has_chief=True, num_workers=1)
+    >>> with MultiProcessRunner(where_am_i, cluster, stream_output=False) as runner:
+    ...     runner.start()
+    ...     runner.join(timeout=60)
+    [{'type': 'chief', 'index': 0}, {'type': 'worker', 'index': 0}]
+
+    A task that raises re-raises here with its own type, its traceback, and the end of every
+    task's log; a task that exits without a result raises ``UnexpectedSubprocessExitError``.
+    No process outlives the runner: leaving the ``with`` block, garbage collection and the
+    end of the interpreter stop any that remain.
+    """
+
+    def __init__(
+        self,
+        fn,
+        cluster_spec: dict,
+        *,
+        args=(),
+        kwargs: dict | None = None,
+        max_run_time: float | None = None,
+        env: dict[str, str] | None = None,
+        devices_per_worker: int | None = None,
+        auto_restart: bool = False,
+        max_restarts: int | None = None,
+        stream_output: bool = True,
+        dependence_on_chief: bool = True,
+        failure_grace: float = 30.0,
+        terminate_grace: float = 10.0,
+        log_dir: str | None = None,
+    ):
+        _check_seconds(max_run_time=max_run_time, allow_none=True)
+        _check_seconds(failure_grace=failure_grace, terminate_grace=terminate_grace)
+        if max_restarts is not None and (not isinstance(max_restarts, int) or max_restarts < 0):
+            raise ValueError(
+                "`max_restarts` must be None or a non-negative integer. "
+                f"Received: max_restarts={max_restarts!r}"
+            )
+        # A ScriptProgram (from the `keras-dist launch` command) runs a script instead.
+        self._program = fn if isinstance(fn, ScriptProgram) else FunctionProgram(fn, args, kwargs)
+        keys = task_keys(cluster_spec)
+        self._cluster_spec = cluster_spec
+        self._max_run_time = max_run_time
+        self._env = dict(env or {})
+        self._devices_per_worker = devices_per_worker
+        self._auto_restart = auto_restart
+        self._max_restarts = max_restarts
+        self._dependence_on_chief = dependence_on_chief
+        self._failure_grace = failure_grace
+        self._terminate_grace = terminate_grace
+        # Check the environment now rather than in start().
+        child_environment(
+            tf_config(cluster_spec, *keys[0]), devices_per_worker=devices_per_worker, env=env
+        )
+
+        self._workdir = tempfile.mkdtemp(prefix="keras_dist_run_")
+        self._program.setup(self._workdir)
+        log_dir = log_dir or self._workdir
+        os.makedirs(log_dir, exist_ok=True)
+        self._slots = {
+            key: _Slot(
+                _process.TaskProcess(
+                    *key, os.path.join(log_dir, f"{key[0]}-{key[1]}.log"), stream_output
+                )
+            )
+            for key in keys
+        }
+        # Runs when the runner is garbage collected or the interpreter exits, whichever is first.
+        processes = [slot.process for slot in self._slots.values()]
+        self._finalizer = weakref.finalize(self, _clean_up, processes, self._workdir)
+
+        self._lock = threading.RLock()
+        self._started_at = None
+        self._stop_at = None  # When the remaining tasks get stopped (after failure_grace).
+        self._stopping = False  # terminate_all() was called: no more restarts.
+        self._timeout_reason = None
+        self._monitor = None
+        self._closed = False
+
+    # --- Starting and stopping -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts every task. Raises ``ValueError`` when called twice."""
+        with self._lock:
+            if self._started_at is not None:
+                raise ValueError("This MultiProcessRunner was started already.")
+            self._started_at = time.monotonic()
+            for key in self._slots:
+                self._start(key)
+        self._start_monitor()
+
+    def start_single_process(self, task_type: str, task_id: int) -> None:
+        """Starts one task of the cluster (again, after it ended or was terminated).
+
+        Raises ``ValueError`` when that task is running.
+        """
+        key = self._key(task_type, task_id)
+        with self._lock:
+            if self._slots[key].process.running():
+                raise ValueError(f"Task {task_type} {task_id} is running already.")
+            if self._started_at is None:
+                self._started_at = time.monotonic()
+            # A manual start is a new beginning: no pending stop from an earlier failure.
+            self._stopping = False
+            self._stop_at = None
+            self._start(key)
+        self._start_monitor()
+
+    def terminate(self, task_type: str, task_id: int, grace: float | None = None) -> None:
+        """Stops one task: SIGTERM to its process group, SIGKILL after ``grace`` seconds.
+
+        ``grace`` defaults to the runner's ``terminate_grace``. Returns once it has exited;
+        a terminated task is not restarted and is not a failure (its result is ``None``).
+        """
+        key = self._key(task_type, task_id)
+        with self._lock:
+            slot = self._slots[key]
+            slot.stopped = slot.process.running()
+        _process.terminate([slot.process], self._grace(grace))
+        with self._lock:
+            self._collect_exits()
+
+    def kill(self, task_type: str, task_id: int) -> None:
+        """Stops one task now with SIGKILL (to its process group), as a crash would."""
+        key = self._key(task_type, task_id)
+        with self._lock:
+            slot = self._slots[key]
+            slot.stopped = slot.process.running()
+        _process.kill([slot.process])
+        with self._lock:
+            self._collect_exits()
+
+    def terminate_all(self, grace: float | None = None) -> None:
+        """Stops every running task (SIGTERM, then SIGKILL after ``grace``); no more restarts."""
+        with self._lock:
+            self._stopping = True
+            processes = []
+            for slot in self._slots.values():
+                if slot.process.running():
+                    slot.stopped = True
+                    processes.append(slot.process)
+        _process.terminate(processes, self._grace(grace))
+        with self._lock:
+            self._collect_exits()
+
+    def close(self) -> None:
+        """Stops any running task and the monitor; the logs stay readable."""
+        with self._lock:
+            running = any(slot.process.running() for slot in self._slots.values())
+        if running:
+            self.terminate_all()
+        self._closed = True
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join()
+
+    def __enter__(self) -> "MultiProcessRunner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- Waiting and results -----------------------------------------------------------------
+
+    def join(self, timeout: float | None = None) -> list:
+        """Waits for every started task; returns their return values, chief first.
+
+        A task that was terminated, or that exited without a result, gives ``None``.
+
+        Raises:
+            SubprocessTimeoutError: ``timeout`` or ``max_run_time`` passed; every task was
+                stopped.
+            UnexpectedSubprocessExitError: a task exited non-zero or was killed (not by the
+                runner) without raising.
+            WorkerError: a task's function raised. The error is an instance of the task's
+                exception type too, when that type can be rebuilt here.
+
+        The first task that failed decides the error; every message ends with the end of
+        every task's log.
+        """
+        _check_seconds(timeout=timeout, allow_none=True)
+        if self._started_at is None:
+            raise ValueError("Call start() before join().")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._supervise()
+            with self._lock:
+                if all(slot.exit_code is not None for slot in self._slots.values() if slot.started):
+                    break
+            if deadline is not None and time.monotonic() >= deadline:
+                with self._lock:
+                    self._timeout_reason = (
+                        self._timeout_reason or f"join's timeout of {timeout:g} s"
+                    )
+                self.terminate_all()
+                continue
+            time.sleep(_POLL_INTERVAL)
+        return self._results_or_raise()
+
+    def logs(self, task_type: str, task_id: int) -> str:
+        """Everything the task printed so far (stdout and stderr, every restart)."""
+        return self._slots[self._key(task_type, task_id)].process.log_text()
+
+    def exit_code(self, task_type: str, task_id: int) -> int | None:
+        """The task's exit code; ``None`` while it runs or before it started."""
+        key = self._key(task_type, task_id)
+        with self._lock:
+            self._collect_exits()
+            return self._slots[key].exit_code
+
+    def process_status(self) -> dict[tuple[str, int], TaskStatus]:
+        """Each task's ``TaskStatus``, keyed by ``(task_type, task_id)``, in task order."""
+        with self._lock:
+            self._collect_exits()
+            return {
+                key: TaskStatus(
+                    slot.state, slot.exit_code, slot.process.pid, max(slot.starts - 1, 0)
+                )
+                for key, slot in self._slots.items()
+            }
+
+    # --- Supervision -------------------------------------------------------------------------
+
+    def _start(self, key) -> None:
+        slot = self._slots[key]
+        self._program.clear(*key)
+        env = child_environment(
+            tf_config(self._cluster_spec, *key),
+            devices_per_worker=self._devices_per_worker,
+            env=self._env,
+        )
+        banner = None
+        if slot.started:
+            banner = (
+                f"----- keras-dist: {slot.process.name} restarted (restart {slot.starts}) -----"
+            )
+        slot.process.start(self._program.command(*key), env, banner)
+        slot.starts += 1
+        slot.exit_code = None
+        slot.outcome = None
+        slot.stopped = False
+        slot.failed_at = None
+
+    def _start_monitor(self) -> None:
+        if self._monitor is None or not self._monitor.is_alive():
+            self._monitor = threading.Thread(
+                target=_monitor, args=(weakref.ref(self),), name="keras-dist-monitor", daemon=True
+            )
+            self._monitor.start()
+
+    def _supervise(self) -> None:
+        """Notes exits, restarts failed tasks, and stops everything when it is time."""
+        with self._lock:
+            self._collect_exits()
+            if self._stopping or self._started_at is None:
+                return
+            now = time.monotonic()
+            over_time = (
+                self._max_run_time is not None and now >= self._started_at + self._max_run_time
+            )
+            if over_time:
+                self._timeout_reason = f"max_run_time of {self._max_run_time:g} s"
+            elif self._stop_at is None or now < self._stop_at:
+                return
+        self.terminate_all()
+
+    def _collect_exits(self) -> None:
+        now = time.monotonic()
+        for key, slot in self._slots.items():
+            if not slot.started or slot.exit_code is not None:
+                continue
+            code = slot.process.poll()
+            if code is None:
+                continue
+            slot.process.finish()
+            slot.exit_code = code
+            slot.outcome = self._program.read_outcome(*key)
+            if slot.stopped:
+                continue
+            if code == 0 and slot.outcome.failure is None:
+                if key == _CHIEF and self._dependence_on_chief:
+                    self._stop_rest(now)
+                continue
+            if self._may_restart(slot):
+                self._start(key)
+                continue
+            slot.failed_at = now
+            self._stop_rest(now)
+
+    def _may_restart(self, slot: _Slot) -> bool:
+        return (
+            self._auto_restart
+            and not self._stopping
+            and self._stop_at is None
+            and (self._max_restarts is None or slot.starts - 1 < self._max_restarts)
+        )
+
+    def _stop_rest(self, now: float) -> None:
+        if self._stop_at is None:
+            self._stop_at = now + self._failure_grace
+
+    # --- Reporting ---------------------------------------------------------------------------
+
+    def _results_or_raise(self) -> list:
+        with self._lock:
+            report = self._report()
+            failed = [
+                (slot.failed_at, key)
+                for key, slot in self._slots.items()
+                if slot.failed_at is not None
+            ]
+            if failed:
+                raise self._failure_error(min(failed)[1], report)
+            if self._timeout_reason is not None:
+                raise SubprocessTimeoutError(
+                    f"The tasks did not finish within the {self._timeout_reason}; every task "
+                    f"was stopped (SIGTERM, then SIGKILL after {self._terminate_grace} s).\n\n"
+                    f"{self._log_section()}",
+                    **report,
+                )
+            return report["results"]
+
+    def _failure_error(self, key, report: dict) -> BaseException:
+        slot = self._slots[key]
+        name = slot.process.name
+        failure = slot.outcome.failure
+        if failure is not None:
+            message = (
+                f"{name} raised {failure.type_name}: {failure.message}\n\n"
+                f"{failure.traceback}\n{self._log_section()}"
+            )
+            return remote_error(failure, message, task_type=key[0], task_id=key[1], **report)
+        returned = ""
+        if self._program.returns_values:
+            returned = " after returning" if slot.returned else " without a result"
+        return UnexpectedSubprocessExitError(
+            f"{name} exited unexpectedly ({_process.describe_exit(slot.exit_code)}){returned}."
+            f"\n\n{self._log_section()}",
+            task_type=key[0],
+            task_id=key[1],
+            **report,
+        )
+
+    def _report(self) -> dict:
+        slots = self._slots.items()
+        return {
+            "results": [
+                slot.outcome.value if slot.returned else None for slot in self._slots.values()
+            ],
+            "exit_codes": {key: slot.exit_code for key, slot in slots},
+            "logs": {key: slot.process.log_text() for key, slot in slots},
+        }
+
+    def _log_section(self) -> str:
+        entries = []
+        for slot in self._slots.values():
+            status = slot.state
+            if slot.exit_code is not None:
+                status += f", {_process.describe_exit(slot.exit_code)}"
+            entries.append((slot.process.name, status, slot.process.log_text()))
+        return format_logs(entries)
+
+    def _key(self, task_type: str, task_id: int) -> tuple[str, int]:
+        key = (task_type, task_id)
+        if key not in self._slots:
+            raise ValueError(
+                f"The cluster has no task {task_type} {task_id}. Its tasks: "
+                f"{list(self._slots)}. Received: task_type={task_type!r}, task_id={task_id!r}"
+            )
+        return key
+
+    def _grace(self, grace: float | None) -> float:
+        if grace is None:
+            return self._terminate_grace
+        _check_seconds(grace=grace)
+        return grace
+
+
+def _monitor(runner_ref) -> None:
+    # A weak reference: an abandoned runner is still garbage collected (and its tasks stopped).
+    while True:
+        runner = runner_ref()
+        if runner is None or runner._closed:
+            return
+        runner._supervise()
+        del runner
+        time.sleep(_POLL_INTERVAL)
+
+
+def _clean_up(processes, workdir) -> None:
+    _process.kill_now(processes)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _check_seconds(allow_none: bool = False, **values) -> None:
+    for name, value in values.items():
+        if value is None and allow_none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(
+                f"`{name}` must be a number of seconds >= 0. Received: {name}={value!r}"
+            )
