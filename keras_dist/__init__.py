@@ -38,9 +38,9 @@ from keras_dist._input import InputContext as InputContext  # noqa: E402
 from keras_dist._input import InputOptions as InputOptions  # noqa: E402
 from keras_dist._input import InputReplicationMode as InputReplicationMode  # noqa: E402
 from keras_dist._keras_hooks import install_optimizer_hook  # noqa: E402
-from keras_dist._launch import launch as launch  # noqa: E402
 from keras_dist._keras_hooks import install_trainer_hook  # noqa: E402
 from keras_dist._keras_hooks import install_variable_hook  # noqa: E402
+from keras_dist._launch import launch as launch  # noqa: E402
 from keras_dist._mirrored import MirroredStrategy as MirroredStrategy  # noqa: E402
 from keras_dist._mirrored import OneDeviceStrategy as OneDeviceStrategy  # noqa: E402
 from keras_dist._multi_worker_mirrored import (  # noqa: E402

@@ -188,3 +188,78 @@ def test_input_pipelines_across_two_workers_match_tf():
     # Spec 53: pipelines of range(8) and range(9), batch 2: the last step is [[]] and [[8]].
     assert (chief["53"][-1], worker["53"][-1]) == ([[]], [[8]])
     assert len(chief["53"]) == len(worker["53"]) == 5
+
+
+# ------------------------------------------------------------------------------ failures
+def _loses_worker_1(how, timeout_seconds):
+    import os
+    import time
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
+    )
+    import keras
+
+    task_id = strategy.cluster_resolver.task_id
+
+    class LoseWorker1(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if task_id == 1 and batch == 5:
+                if how == "dies":
+                    os._exit(17)
+                time.sleep(3600)  # stuck outside the collective
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((640, 3), "float32"), np.ones((640, 1), "float32")
+    start = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[LoseWorker1()])
+    except kd.errors.OpError as error:
+        print(f"SURVIVOR {type(error).__name__} after {time.monotonic() - start:.1f} s: {error}")
+        raise
+    return "finished"
+
+
+def _run_losing_worker_1(how, timeout_seconds):
+    cluster = testing.create_cluster_spec(num_workers=2)
+    with testing.MultiProcessRunner(
+        _loses_worker_1,
+        cluster,
+        args=(how, timeout_seconds),
+        devices_per_worker=1,
+        stream_output=False,
+        dependence_on_chief=False,
+        failure_grace=90,
+        terminate_grace=2,
+    ) as runner:
+        runner.start()
+        # The first failure is raised: the lost task's exit or the survivor's error.
+        with pytest.raises((testing.UnexpectedSubprocessExitError, testing.WorkerError)):
+            runner.join(timeout=TIMEOUT)
+        survivor = runner.logs("worker", 0)
+        return survivor, runner.exit_code("worker", 0), runner.exit_code("worker", 1)
+
+
+def _seconds_until_error(log):
+    line = next(line for line in log.splitlines() if line.startswith("SURVIVOR"))
+    return float(line.split(" after ")[1].split(" s:")[0])
+
+
+def test_a_killed_worker_makes_the_survivor_raise_naming_it():
+    # Spec 68: the survivor raises UnavailableError within 60 s, and exits.
+    log, survivor_code, lost_code = _run_losing_worker_1("dies", timeout_seconds=60)
+    assert lost_code == 17
+    assert "SURVIVOR UnavailableError" in log, log
+    assert "Lost contact with worker 1" in log
+    assert _seconds_until_error(log) < 60
+    assert survivor_code == 1
+
+
+def test_a_stuck_worker_makes_the_survivor_raise_deadline_exceeded():
+    log, survivor_code, _ = _run_losing_worker_1("hangs", timeout_seconds=8)
+    assert "SURVIVOR DeadlineExceededError" in log, log
+    assert "within 8 s: worker 1 did not reach it" in log
+    assert 8 <= _seconds_until_error(log) < 30
+    assert survivor_code == 1
