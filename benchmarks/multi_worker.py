@@ -5,12 +5,15 @@ In one invocation, on the same machine, the same model, data and global batch:
 (a) ``MultiWorkerMirroredStrategy`` in two local processes with one CPU device each
     (``kd.launch``; gloo collectives through 127.0.0.1);
 (b) ``MirroredStrategy`` in one process with two simulated CPU devices (also started
-    with ``kd.launch``, so both pay the same process start-up outside the timing).
+    with ``kd.launch``, so both pay the same process start-up outside the timing);
+(c) for reference, the hand-written ``jax.jit(jax.shard_map(...))`` step of the same
+    model (benchmarks/_jit_baseline.py) in the same two processes: what JAX itself
+    costs across processes, against which (a) shows keras_dist's own overhead.
 
     python benchmarks/multi_worker.py [--batch 256] [--steps 100] [--repeats 5]
 
-Prints one line: both throughputs (median of the repeats, timed inside the workers)
-and their ratio.
+Prints one line: the throughputs (median of the repeats, timed inside the workers)
+and the ratio (a) / (b), then (a) against (c).
 """
 
 import argparse
@@ -64,6 +67,70 @@ def measure(strategy_name, batch, steps, repeats):
     return rates
 
 
+def measure_jit(batch, steps, repeats):
+    """Runs in each worker: steps per second of the hand-written step across processes."""
+    import os
+    import sys
+    import time
+
+    import keras_dist as kd
+
+    kd.MultiWorkerMirroredStrategy()  # starts jax.distributed from TF_CONFIG
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _jit_baseline import mlp_train_step
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("replica",))
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
+    rng = np.random.default_rng(0)
+    shapes = [
+        (FEATURES, HIDDEN),
+        (HIDDEN,),
+        (HIDDEN, HIDDEN),
+        (HIDDEN,),
+        (HIDDEN, CLASSES),
+        (CLASSES,),
+    ]
+
+    def replicate(a):
+        return jax.make_array_from_callback(a.shape, replicated, lambda index: a[index])
+
+    state = {
+        "params": [replicate(rng.normal(size=s).astype("float32") * 0.05) for s in shapes],
+        "velocity": [replicate(np.zeros(s, "float32")) for s in shapes],
+    }
+    step = mlp_train_step(mesh, batch, 0.01, 0.9)
+    rows = batch // jax.process_count()
+    x = rng.normal(size=(batch * steps, FEATURES)).astype("float32")
+    y = rng.integers(0, CLASSES, batch * steps).astype("int32")
+    mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+
+    def epoch():
+        for start in range(0, len(x), batch):
+            xb = jax.make_array_from_process_local_data(
+                split, x[start : start + batch][mine], (batch, FEATURES)
+            )
+            yb = jax.make_array_from_process_local_data(
+                split, y[start : start + batch][mine], (batch,)
+            )
+            state["params"], state["velocity"], loss = step(
+                state["params"], state["velocity"], xb, yb
+            )
+            loss.block_until_ready()  # one execution in flight (DESIGN.md §8)
+
+    epoch()  # compiles
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        epoch()
+        rates.append(steps / (time.perf_counter() - start))
+    return rates
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
@@ -87,14 +154,24 @@ def main():
         stream_output=False,
         timeout=900,
     )
+    jit_processes = kd.launch(
+        measure_jit,
+        num_workers=2,
+        devices_per_worker=1,
+        args=work,
+        stream_output=False,
+        timeout=900,
+    )
     # Both workers time the same synchronous steps; the chief's figures stand for them.
     across = statistics.median(processes[0])
     within = statistics.median(devices)
+    jax_across = statistics.median(jit_processes[0])
     print(
-        f"multi_worker: 2 processes x 1 device {across:.0f} steps/s vs 1 process x 2 "
+        f"multi_worker: fit on 2 processes x 1 device {across:.0f} steps/s vs 1 process x 2 "
         f"devices {within:.0f} steps/s, ratio {across / within:.2f} (the cost of crossing "
-        f"processes; cpu, global batch {args.batch}, median of {args.repeats} x "
-        f"{args.steps} steps)"
+        f"processes); hand-written jax.jit step on the same 2 processes {jax_across:.0f} "
+        f"steps/s, keras_dist/jax ratio {across / jax_across:.2f} [cpu, global batch "
+        f"{args.batch}, median of {args.repeats} x {args.steps} steps]"
     )
 
 
