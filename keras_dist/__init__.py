@@ -13,6 +13,7 @@ from keras_dist._backend import ensure_jax_backend
 
 ensure_jax_backend()
 
+from keras_dist import callbacks as callbacks  # noqa: E402
 from keras_dist import cluster_resolver as cluster_resolver  # noqa: E402
 from keras_dist import config as config  # noqa: E402
 from keras_dist import data as data  # noqa: E402
@@ -86,6 +87,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "SyncOnReadVariable",
+    "callbacks",
     "cluster_resolver",
     "config",
     "data",

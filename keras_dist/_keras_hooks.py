@@ -477,6 +477,38 @@ def install_trainer_hook() -> None:
     base_trainer.Trainer.compile = _wrap_compile(base_trainer.Trainer.compile)
     BatchNormalization.build = _wrap_batch_norm_build(BatchNormalization.build)
     loss_module.reduce_values = _wrap_reduce_values(loss_module.reduce_values)
+    _install_saving_skipset_cache()
+
+
+def _install_saving_skipset_cache() -> None:
+    """Builds Keras's saving skip-sets once, outside any strategy.
+
+    ``saving_lib.get_attr_skipset`` caches under one key and looks under another
+    (Keras 3.15), so every save builds reference objects again, among them an
+    ``Optimizer`` whose variables, created under the strategy, would join its
+    state and make the next step compile again (and, across processes, take a
+    collective to sync). Here each skip-set is built once, with no strategy.
+    """
+    from keras.src.saving import saving_lib
+
+    original = saving_lib.get_attr_skipset
+    if getattr(original, "_keras_dist_hook", False):
+        return
+    cache: dict = {}
+
+    @functools.wraps(original)
+    def get_attr_skipset(obj_type):
+        if obj_type not in cache:
+            distribution = global_state.get_global_attribute("distribution")
+            global_state.set_global_attribute("distribution", None)
+            try:
+                cache[obj_type] = original(obj_type)
+            finally:
+                global_state.set_global_attribute("distribution", distribution)
+        return cache[obj_type]
+
+    get_attr_skipset._keras_dist_hook = True
+    saving_lib.get_attr_skipset = get_attr_skipset
 
 
 def keras_update_metrics(model, metrics, unscaled_loss, x, y, y_pred, sample_weight):

@@ -10,6 +10,7 @@ import keras_dist as kd
 
 PUBLIC_MODULES = [
     kd,
+    kd.callbacks,
     kd.cluster_resolver,
     kd.config,
     kd.data,

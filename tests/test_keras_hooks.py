@@ -66,3 +66,26 @@ def test_keras_variable_class_can_be_swapped():
         layer.build((None, 3))
     assert all(isinstance(v, kd.MirroredVariable) for v in layer.weights)
     assert all(len(v.value.sharding.device_set) == 2 for v in layer.weights)
+
+
+def test_saving_under_a_strategy_creates_no_variables_and_compiles_nothing_again(tmp_path):
+    # Keras 3.15's saving builds throwaway reference objects (an Optimizer among
+    # them) on every save; the hook builds them once, outside the strategy.
+    from keras.src.saving import saving_lib
+
+    assert getattr(saving_lib.get_attr_skipset, "_keras_dist_hook", False)
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    model.fit(x, y, batch_size=4, verbose=0)
+    version = strategy.extended._variables_version
+    traces = strategy.extended._compiled.trace_count
+    with strategy.scope():  # as callbacks save, inside fit
+        for name in ("a", "b"):
+            model.save_weights(tmp_path / f"{name}.weights.h5")
+            model.save(tmp_path / f"{name}.keras")
+    model.fit(x, y, batch_size=4, verbose=0)
+    assert strategy.extended._variables_version == version
+    assert strategy.extended._compiled.trace_count == traces

@@ -31,6 +31,17 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert "CentralStorageStrategy" in outputs
 
 
+def test_multi_worker_notebook_launches_two_workers(tmp_path):
+    notebook = nbformat.read(EXAMPLES / "multi_worker.ipynb", as_version=4)
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": tmp_path}}
+    ).execute()
+    outputs = _outputs(notebook)
+    assert "worker 0 of 2 replicas" in outputs and "worker 1 of 2 replicas" in outputs
+    assert "identical weights on both workers: True" in outputs
+    assert "checkpoint files: ['model.keras']" in outputs
+
+
 @pytest.fixture(autouse=True)
 def _kernel_available():
     from jupyter_client.kernelspec import KernelSpecManager
