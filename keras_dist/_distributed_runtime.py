@@ -75,6 +75,29 @@ def initialize(coordinator_address, num_processes, process_id, *, timeout_second
         # below reports it sooner and by name.
         heartbeat_timeout_seconds=max(int(timeout_seconds), 10),
     )
+    _leave_on_uncaught_exception()
+
+
+def leave_now(code):
+    """Ends this process at once, without JAX's shutdown.
+
+    JAX's shutdown waits at a barrier for every process. A process ending with
+    an error must not: its peers may be waiting for it in a collective, and
+    only its connections closing tells them (they then raise, naming it).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _leave_on_uncaught_exception():
+    original = sys.excepthook
+
+    def excepthook(*exc_info):
+        original(*exc_info)
+        leave_now(1)
+
+    sys.excepthook = excepthook
 
 
 class PeerWatch:
@@ -217,10 +240,5 @@ def _exit_after_failure():
         return
     _exit_hook_installed = True
 
-    def exit_now():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
     # atexit runs the last registered first: this runs before JAX's hooks.
-    atexit.register(exit_now)
+    atexit.register(leave_now, 1)

@@ -289,6 +289,11 @@ def _wrap_loop(original):
         if strategy is None:
             check_fit_context(self)
             return original(self, *args, **kwargs)
+        if original.__name__ == "fit":
+            # Keras shuffles with NumPy's global generator: across processes
+            # every worker must draw the same order (it keeps its replicas'
+            # pieces of each global batch).
+            strategy.extended._agree_on_host_random_state()
         with strategy.scope():
             return original(self, *args, **kwargs)
 

@@ -182,6 +182,24 @@ class MeshExtended(StrategyExtended):
         summed = self._cross_device_ops._reduce_components(self, ReduceOp.SUM, stacked)
         return jax.tree_util.tree_unflatten(treedef, [s.addressable_data(0) for s in summed])
 
+    def _agree_on_host_random_state(self):
+        """Gives every process worker 0's NumPy global random state (one collective)."""
+        if not self._multi_process:
+            return
+        name, keys, position, has_gauss, cached = np.random.get_state()
+        packed = np.concatenate(
+            [
+                keys.astype(np.uint32),
+                np.array([position, has_gauss], np.uint32),
+                np.array([cached], np.float64).view(np.uint32),
+            ]
+        ).view(np.int32)
+        if self._worker_index != 0:
+            packed = np.zeros_like(packed)  # the sum is then worker 0's, bit for bit
+        agreed = np.asarray(self._cross_process_sum(packed), np.int32).view(np.uint32)
+        cached = float(agreed[-2:].view(np.float64)[0])
+        np.random.set_state((name, agreed[: len(keys)], int(agreed[-4]), int(agreed[-3]), cached))
+
     def _sync_initial_values(self):
         """Gives every process worker 0's first values (TF broadcasts them from the chief)."""
         variables = [v for v in (r() for r in self._unsynced) if v is not None]

@@ -263,3 +263,183 @@ def test_a_stuck_worker_makes_the_survivor_raise_deadline_exceeded():
     assert "within 8 s: worker 1 did not reach it" in log
     assert 8 <= _seconds_until_error(log) < 30
     assert survivor_code == 1
+
+
+# ------------------------------------------------------------------------------- training
+def _tiny_model():
+    import keras
+
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse", metrics=["mae"])
+    return model
+
+
+def _regression_data(rows):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 3)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def _flat(weights):
+    return np.concatenate([np.ravel(w) for w in weights])
+
+
+def _fit_worker(directory):
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import keras
+
+    task_id = strategy.cluster_resolver.task_id
+    keras.utils.set_random_seed(task_id)  # each worker initializes differently...
+    with strategy.scope():
+        model = _tiny_model()
+    initial = _flat(model.get_weights())  # ...and reads worker 0's first values
+    x, y = _regression_data(69)  # 69 = 4 x 16 + 5: a last batch split 3 / 2
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            kd.callbacks.ModelCheckpoint(f"{directory}/ckpt/model.keras"),
+            kd.callbacks.ModelCheckpoint(
+                f"{directory}/ckpt/model.weights.h5", save_weights_only=True
+            ),
+            kd.callbacks.TensorBoard(f"{directory}/logs"),
+        ],
+    )
+    return {
+        "initial": initial,
+        "final": _flat(model.get_weights()),
+        "history": history.history,
+        "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
+        "predict": model.predict(x[:10], batch_size=4, verbose=0),
+    }
+
+
+def test_fit_on_two_workers_equals_one_device_and_checkpoints_once(tmp_path):
+    import os
+
+    import keras
+
+    chief, worker = _launch(_fit_worker, args=(str(tmp_path),))
+    np.testing.assert_array_equal(chief["initial"], worker["initial"])
+    np.testing.assert_array_equal(chief["final"], worker["final"])
+    # One device from the same first weights on the same global batches (spec 82's harness).
+    model = _tiny_model()
+    shapes = [w.shape for w in model.get_weights()]
+    split = np.split(chief["initial"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+    x, y = _regression_data(69)
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(chief["final"], _flat(model.get_weights()), atol=1e-5)
+    for key, values in history.history.items():
+        np.testing.assert_allclose(chief["history"][key], values, rtol=1e-5)
+        np.testing.assert_allclose(worker["history"][key], values, rtol=1e-5)
+    expected_eval = model.evaluate(x, y, batch_size=16, verbose=0)
+    np.testing.assert_allclose(chief["evaluate"], expected_eval, rtol=1e-5)
+    np.testing.assert_allclose(worker["predict"], model.predict(x[:10], verbose=0), atol=1e-5)
+    # Spec 66: the checkpoints exist once, written by the chief; no temp dir is left.
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["model.keras", "model.weights.h5"]
+    restored = keras.models.load_model(tmp_path / "ckpt" / "model.keras")
+    np.testing.assert_allclose(_flat(restored.get_weights()), chief["final"])
+    # TensorBoard writes only on the chief.
+    assert sorted(os.listdir(tmp_path / "logs")) == ["train"]
+
+
+def _resumable_worker(directory, fail_at_batch, marker, preemptible=False):
+    import os
+    import time
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=60)
+    )
+    import keras
+
+    task_id = strategy.cluster_resolver.task_id
+
+    class LoseWorker1Once(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if task_id == 1 and self.seen == fail_at_batch and not os.path.exists(marker):
+                open(marker, "w").close()
+                if not preemptible:
+                    os._exit(13)  # killed mid-epoch, once
+            if preemptible and os.path.exists(marker):
+                time.sleep(0.2)  # leaves the test time to send SIGTERM mid-fit
+
+    keras.utils.set_random_seed(task_id + 10)
+    with strategy.scope():
+        model = _tiny_model()
+    x, y = _regression_data(160)
+    callbacks = [
+        kd.callbacks.BackupAndRestore(
+            f"{directory}/backup", save_freq=3, save_before_preemption=preemptible
+        )
+    ]
+    if fail_at_batch:
+        callbacks.append(LoseWorker1Once())
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
+    return _flat(model.get_weights())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_weights(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    return _launch(_resumable_worker, args=(str(directory), 0, str(directory / "unused")))[0]
+
+
+def test_relaunch_after_a_lost_worker_resumes_to_the_uninterrupted_weights(
+    tmp_path, uninterrupted_weights
+):
+    import os
+
+    marker = str(tmp_path / "worker1_died")
+    # Worker 1 dies in epoch 2 (batch 14 of 30); worker 0 raises UnavailableError; the whole
+    # cluster starts again on new ports and resumes from the chief's backup (step 12).
+    resumed = _launch(
+        _resumable_worker, args=(str(tmp_path / "b"), 14, marker), max_restarts=1, failure_grace=60
+    )
+    assert os.path.exists(marker)
+    np.testing.assert_array_equal(resumed[0], resumed[1])
+    np.testing.assert_array_equal(resumed[0], uninterrupted_weights)
+    # Spec 67: the backup is removed once training succeeds.
+    assert not os.path.exists(tmp_path / "b" / "backup" / "chief")
+
+
+def test_sigterm_to_one_worker_saves_on_every_worker_and_the_rerun_resumes(
+    tmp_path, uninterrupted_weights
+):
+    import os
+    import signal
+    import time
+
+    marker = tmp_path / "worker1_mid_fit"
+    cluster = testing.create_cluster_spec(num_workers=2)
+    args = (str(tmp_path), 8, str(marker), True)
+    with testing.MultiProcessRunner(
+        _resumable_worker, cluster, args=args, devices_per_worker=1, stream_output=False
+    ) as runner:
+        runner.start()
+        deadline = time.monotonic() + TIMEOUT
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(runner.process_status()[("worker", 1)].pid, signal.SIGTERM)
+        with pytest.raises(testing.UnexpectedSubprocessExitError):
+            runner.join(timeout=TIMEOUT)
+        # TF's PreemptionCheckpointHandler: every worker saves at the same step, exits 42.
+        codes = [runner.exit_code("worker", i) for i in (0, 1)]
+        logs = runner.logs("worker", 0) + runner.logs("worker", 1)
+    assert codes == [42, 42], logs
+    assert (tmp_path / "backup" / "chief").exists()
+    assert not (tmp_path / "backup" / "workertemp_1").exists()
+    resumed = _launch(_resumable_worker, args=args)
+    np.testing.assert_array_equal(resumed[0], uninterrupted_weights)
+    np.testing.assert_array_equal(resumed[1], uninterrupted_weights)

@@ -1,5 +1,7 @@
 """``ModelCheckpoint``: Keras's callback, writing at the user's path on the chief only."""
 
+import os
+
 import keras
 
 from keras_dist.callbacks import _role
@@ -31,6 +33,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _get_file_path(self, epoch, batch, logs):
         filepath = super()._get_file_path(epoch, batch, logs)
         self._write_filepath = self._save_role.write_filepath(filepath)
+        # Keras creates the directory only if it is missing, without exist_ok: a
+        # worker creating its temp dir inside it at the same moment would fail it.
+        os.makedirs(os.path.dirname(self._write_filepath) or ".", exist_ok=True)
         return self._write_filepath
 
     def _save_model(self, epoch, batch, logs):
