@@ -443,3 +443,59 @@ def test_sigterm_to_one_worker_saves_on_every_worker_and_the_rerun_resumes(
     resumed = _launch(_resumable_worker, args=args)
     np.testing.assert_array_equal(resumed[0], uninterrupted_weights)
     np.testing.assert_array_equal(resumed[1], uninterrupted_weights)
+
+
+def _keras_correctness_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import keras
+
+    class IdentityRegularizer(keras.regularizers.Regularizer):
+        def __call__(self, x):
+            return x
+
+    class AddV(keras.layers.Layer):
+        def build(self, _):
+            self.v = self.add_weight(
+                name="v", shape=(), initializer="ones", regularizer=IdentityRegularizer()
+            )
+
+        def call(self, inputs):
+            return inputs + self.v
+
+    results = {}
+    with strategy.scope():
+        # Spec 83: Dense(1, kernel ones) with x in {0, 1}, y = x: accuracy [1.0, 1.0].
+        accuracy_model = keras.Sequential(
+            [keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)]
+        )
+        accuracy_model.compile("sgd", "mse", metrics=[keras.metrics.BinaryAccuracy()])
+        # Spec 84: sample weights in evaluate -> 10.625 (13.5 without).
+        weighted = keras.Sequential(
+            [keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")]
+        )
+        weighted.compile(keras.optimizers.RMSprop(0.001), "mse")
+        # Spec 85: the regularizer counts once: v goes from 1 to -1, not -2.
+        x_in = keras.Input((1,), batch_size=2)
+        regularized = keras.Model(x_in, AddV()(x_in))
+        regularized.compile(keras.optimizers.SGD(1.0), loss=lambda _, y: keras.ops.mean(y))
+    x = np.array([[0], [1]] * 8, "float32")
+    results["83"] = accuracy_model.fit(x, x, batch_size=4, epochs=2, verbose=0).history[
+        "binary_accuracy"
+    ]
+    x4 = np.array([[0], [1], [2], [3]], "float32")
+    y4 = np.array([[2], [4], [6], [8]], "float32")
+    weights = np.array([0.25, 0.5, 0.75, 1], "float32")
+    results["84"] = weighted.evaluate(x4, y4, batch_size=2, sample_weight=weights, verbose=0)
+    results["84_unweighted"] = weighted.evaluate(x4, y4, batch_size=2, verbose=0)
+    ones = np.ones((2, 1), "float32")
+    regularized.fit(ones, ones, batch_size=2, verbose=0)
+    results["85"] = float(regularized.get_weights()[0])
+    return results
+
+
+def test_keras_correctness_cases_on_two_workers_match_tf():
+    for result in _launch(_keras_correctness_worker):
+        assert result["83"] == [1.0, 1.0]
+        assert result["84"] == pytest.approx(10.625, rel=1e-6)
+        assert result["84_unweighted"] == pytest.approx(13.5, rel=1e-6)
+        assert result["85"] == -1.0
