@@ -499,3 +499,22 @@ def test_keras_correctness_cases_on_two_workers_match_tf():
         assert result["84"] == pytest.approx(10.625, rel=1e-6)
         assert result["84_unweighted"] == pytest.approx(13.5, rel=1e-6)
         assert result["85"] == -1.0
+
+
+def test_keras_dist_launch_runs_the_multi_worker_example(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "multi_worker_fit.py"
+    command = [sys.executable, "-m", "keras_dist._launch._cli", "launch", "--workers", "2"]
+    command += [str(example), "--epochs", "2", "--output", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    accuracies = re.findall(
+        r"\[worker (\d)\] worker \1: .*final test accuracy: ([\d.]+)", done.stdout
+    )
+    assert len(accuracies) == 2 and accuracies[0][1] == accuracies[1][1], done.stdout
+    assert float(accuracies[0][1]) > 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["backup", "logs", "model.keras"]
