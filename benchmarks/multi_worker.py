@@ -24,9 +24,21 @@ import keras_dist as kd
 FEATURES, HIDDEN, CLASSES = 128, 512, 10
 
 
+def epoch_rates(epoch, steps, repeats):
+    """Steps per second of ``repeats`` calls of ``epoch`` (after one that compiles)."""
+    import time
+
+    epoch()
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        epoch()
+        rates.append(steps / (time.perf_counter() - start))
+    return rates
+
+
 def measure(strategy_name, batch, steps, repeats):
     """Runs in each worker: steps per second of one epoch of ``steps`` batches, per repeat."""
-    import time
 
     import keras_dist as kd
 
@@ -58,20 +70,13 @@ def measure(strategy_name, batch, steps, repeats):
     def epoch():
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 
-    epoch()  # compiles
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        epoch()
-        rates.append(steps / (time.perf_counter() - start))
-    return rates
+    return epoch_rates(epoch, steps, repeats)
 
 
 def measure_jit(batch, steps, repeats):
     """Runs in each worker: steps per second of the hand-written step across processes."""
     import os
     import sys
-    import time
 
     import keras_dist as kd
 
@@ -122,13 +127,7 @@ def measure_jit(batch, steps, repeats):
             )
             loss.block_until_ready()  # one execution in flight (DESIGN.md §8)
 
-    epoch()  # compiles
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        epoch()
-        rates.append(steps / (time.perf_counter() - start))
-    return rates
+    return epoch_rates(epoch, steps, repeats)
 
 
 def main():

@@ -150,7 +150,7 @@ class MeshExtended(StrategyExtended):
         if isinstance(value, jax.Array) and not value.is_fully_addressable:
             if value.sharding == sharding:
                 return value
-            return jax.jit(lambda x: x, out_shardings=sharding)(value)
+            return _resharding(sharding)(value)
         host = np.asarray(jnp.asarray(value))
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -555,6 +555,16 @@ class MeshExtended(StrategyExtended):
 
 def _is_dv(x):
     return isinstance(x, DistributedValues)
+
+
+_RESHARDINGS: dict = {}
+
+
+def _resharding(sharding):
+    """A program that moves a global array to ``sharding`` (an all-gather for replication)."""
+    if sharding not in _RESHARDINGS:
+        _RESHARDINGS[sharding] = jax.jit(lambda x: x, out_shardings=sharding)
+    return _RESHARDINGS[sharding]
 
 
 _BROADCASTS: dict = {}

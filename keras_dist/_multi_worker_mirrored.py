@@ -20,6 +20,7 @@ from keras_dist._mesh_extended import MeshExtended
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._strategy import Strategy
 from keras_dist.cluster_resolver import ClusterSpec
+from keras_dist.cluster_resolver import SimpleClusterResolver
 from keras_dist.cluster_resolver import TFConfigClusterResolver
 from keras_dist.cluster_resolver import resolve_cluster
 from keras_dist.cluster_resolver._multi_worker import id_in_cluster
@@ -268,9 +269,15 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "communication_options must be a kd.experimental.CommunicationOptions. "
                 f"Received: communication_options={communication_options!r}"
             )
-        resolver = cluster_resolver or resolve_cluster() or TFConfigClusterResolver(environ={})
-        self._cluster_resolver = resolver
+        resolver = cluster_resolver or resolve_cluster()
+        if resolver is None and _distributed_runtime.is_initialized():
+            # jax.distributed was started by hand: its processes are the workers.
+            workers = ClusterSpec({"worker": [""] * jax.process_count()})
+            task_id = jax.process_index()
+            resolver = SimpleClusterResolver(workers, task_type="worker", task_id=task_id)
+        resolver = resolver or TFConfigClusterResolver(environ={})
         layout = _ProcessLayout(resolver)
+        self._cluster_resolver = resolver
         super().__init__(MultiWorkerExtended(self, layout, communication_options))
 
     @property

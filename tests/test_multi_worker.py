@@ -518,3 +518,28 @@ def test_keras_dist_launch_runs_the_multi_worker_example(tmp_path):
     assert len(accuracies) == 2 and accuracies[0][1] == accuracies[1][1], done.stdout
     assert float(accuracies[0][1]) > 0.5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["backup", "logs", "model.keras"]
+
+
+def _hand_started_worker():
+    import json
+    import os
+
+    import jax
+
+    # A JAX program that starts jax.distributed itself, without TF_CONFIG.
+    config = json.loads(os.environ.pop("TF_CONFIG"))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        config["cluster"]["worker"][0], num_processes=2, process_id=config["task"]["index"]
+    )
+    strategy = kd.MultiWorkerMirroredStrategy()
+    return (
+        strategy.num_replicas_in_sync,
+        strategy.cluster_resolver.task_id,
+        strategy.extended.should_checkpoint,
+        float(strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None)),
+    )
+
+
+def test_a_hand_started_jax_distributed_job_has_one_worker_per_process():
+    assert _launch(_hand_started_worker) == [(2, 0, True, 2.0), (2, 1, False, 2.0)]
