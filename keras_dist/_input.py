@@ -238,7 +238,10 @@ class _AgreedSteps:
 
     def __call__(self):
         extended = self._extended
-        batches = self._read_local()
+        try:
+            batches = self._read_local()
+        except StopIteration:  # this worker's data ended; others' may not have
+            batches = [None] * extended._num_local_replicas
         sizes = np.zeros(extended._num_replicas_in_sync, np.int64)
         for i, batch in enumerate(batches):
             # Rows + 1, so that an empty batch still counts as present.
@@ -433,7 +436,9 @@ class DistributedDataset:
         n = strategy.num_replicas_in_sync
         per_replica = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
         if not hasattr(extended, "_split"):
-            return cls(lambda: iter(dataset_fn(InputContext(1, 0, n))).__next__)
+            dataset = dataset_fn(InputContext(1, 0, n))
+            _check_iterable(dataset)
+            return cls(lambda: iter(dataset).__next__)
         local = range(
             extended._replica_offset, extended._replica_offset + extended._num_local_replicas
         )
@@ -453,6 +458,8 @@ class DistributedDataset:
                 for i in range(len(local)):
                     iterator = iterators[i] if per_replica else iterators[0]
                     batches.append(next(iterator, None))
+                if all(b is None for b in batches):
+                    raise StopIteration
                 return batches
 
             if extended._multi_process:
@@ -460,10 +467,7 @@ class DistributedDataset:
                 return _AgreedSteps(extended, _ahead(read_local, options))
 
             def next_fn():
-                batches = read_local()
-                if all(b is None for b in batches):
-                    raise StopIteration
-                return _per_replica_batches(extended, batches)
+                return _per_replica_batches(extended, read_local())
 
             return _ahead(next_fn, options)
 
