@@ -242,7 +242,7 @@ class _AgreedSteps:
             batches = self._read_local()
         except StopIteration:  # this worker's data ended; others' may not have
             batches = [None] * extended._num_local_replicas
-        sizes = np.zeros(extended._num_replicas_in_sync, np.int64)
+        sizes = np.zeros(extended._num_replicas_in_sync, np.int32)
         for i, batch in enumerate(batches):
             # Rows + 1, so that an empty batch still counts as present.
             sizes[extended._replica_offset + i] = 0 if batch is None else _batch_rows(batch) + 1

@@ -203,9 +203,12 @@ class MeshExtended(StrategyExtended):
     def _sync_initial_values(self):
         """Gives every process worker 0's first values (TF broadcasts them from the chief)."""
         variables = [v for v in (r() for r in self._unsynced) if v is not None]
-        self._unsynced = []
+        # A variable whose first value Keras has not stored yet waits for the next sync.
+        waiting = [v for v in variables if _first_value(v) is None]
+        self._unsynced = [weakref.ref(v) for v in waiting]
+        waiting_ids = {id(v) for v in waiting}
         for variable in variables:
-            variable._keras_dist_unsynced = False
+            variable._keras_dist_unsynced = id(variable) in waiting_ids
         mirrored = [
             v for v in variables if isinstance(v, MirroredVariable) and v._value is not None
         ]
@@ -555,6 +558,12 @@ class MeshExtended(StrategyExtended):
 
 def _is_dv(x):
     return isinstance(x, DistributedValues)
+
+
+def _first_value(variable):
+    if isinstance(variable, SyncOnReadVariable):
+        return variable._stacked
+    return variable._value
 
 
 _RESHARDINGS: dict = {}
