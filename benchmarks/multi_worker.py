@@ -137,34 +137,23 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     work = (args.batch, args.steps, args.repeats)
-    processes = kd.launch(
-        measure,
-        num_workers=2,
-        devices_per_worker=1,
-        args=("multi_worker",) + work,
-        stream_output=False,
-        timeout=900,
-    )
-    (devices,) = kd.launch(
-        measure,
-        num_workers=1,
-        devices_per_worker=2,
-        args=("mirrored",) + work,
-        stream_output=False,
-        timeout=900,
-    )
-    jit_processes = kd.launch(
-        measure_jit,
-        num_workers=2,
-        devices_per_worker=1,
-        args=work,
-        stream_output=False,
-        timeout=900,
-    )
-    # Both workers time the same synchronous steps; the chief's figures stand for them.
-    across = statistics.median(processes[0])
-    within = statistics.median(devices)
-    jax_across = statistics.median(jit_processes[0])
+
+    def chief_rates(fn, workers, devices, *fn_args):
+        """Starts ``workers`` processes of ``devices`` devices; the chief's rates."""
+        results = kd.launch(
+            fn,
+            num_workers=workers,
+            devices_per_worker=devices,
+            args=fn_args + work,
+            stream_output=False,
+            timeout=900,
+        )
+        # Every worker times the same synchronous steps: the chief's figures stand for all.
+        return statistics.median(results[0])
+
+    across = chief_rates(measure, 2, 1, "multi_worker")
+    within = chief_rates(measure, 1, 2, "mirrored")
+    jax_across = chief_rates(measure_jit, 2, 1)
     print(
         f"multi_worker: fit on 2 processes x 1 device {across:.0f} steps/s vs 1 process x 2 "
         f"devices {within:.0f} steps/s, ratio {across / within:.2f} (the cost of crossing "
