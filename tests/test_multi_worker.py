@@ -543,3 +543,24 @@ def _hand_started_worker():
 
 def test_a_hand_started_jax_distributed_job_has_one_worker_per_process():
     assert _launch(_hand_started_worker) == [(2, 0, True, 2.0), (2, 1, False, 2.0)]
+
+
+def _reduce_after_worker_1_crashes_once(marker):
+    import os
+
+    strategy = kd.MultiWorkerMirroredStrategy()
+    strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None)  # connects the workers
+    if strategy.cluster_resolver.task_id == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)  # spec 68: worker 1 crashes on its first run
+    return float(strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None))
+
+
+def test_a_restarted_cluster_gives_tf_results_after_a_crash(tmp_path):
+    # Spec 68's auto_restart case: the results are [2., 2.]. JAX processes cannot rejoin a
+    # running cluster, so the whole cluster restarts (kd.launch's max_restarts).
+    marker = str(tmp_path / "crashed")
+    results = _launch(
+        _reduce_after_worker_1_crashes_once, args=(marker,), max_restarts=1, failure_grace=60
+    )
+    assert results == [2.0, 2.0]
