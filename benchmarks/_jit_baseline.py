@@ -12,6 +12,29 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 
+def keras_mlp(features, hidden, classes, learning_rate, momentum):
+    """The same MLP as a compiled Keras model (seed 0), for the Keras side of a comparison.
+
+    Build it inside the strategy's scope to distribute it.
+    """
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((features,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(classes),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate, momentum=momentum),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
 def mlp_train_step(mesh, global_batch, learning_rate, momentum):
     """``step(params, velocity, x, y) -> (params, velocity, summed_loss)``, compiled, donating."""
 

@@ -29,8 +29,8 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={arg
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _jit_baseline import keras_mlp  # noqa: E402
 from _jit_baseline import mlp_train_step  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -42,20 +42,7 @@ LEARNING_RATE, MOMENTUM = 0.01, 0.9
 
 
 def build_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(HIDDEN, activation="relu"),
-            keras.layers.Dense(HIDDEN, activation="relu"),
-            keras.layers.Dense(CLASSES),
-        ]
-    )
-    model.compile(
-        optimizer=keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
+    return keras_mlp(FEATURES, HIDDEN, CLASSES, LEARNING_RATE, MOMENTUM)
 
 
 def keras_fit(strategy, x, y):

@@ -24,6 +24,14 @@ import keras_dist as kd
 FEATURES, HIDDEN, CLASSES = 128, 512, 10
 
 
+def _import_benchmarks():
+    """Lets a worker import this folder's modules (it runs from a pickled function)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
 def epoch_rates(epoch, steps, repeats):
     """Steps per second of ``repeats`` calls of ``epoch`` (after one that compiles)."""
     import time
@@ -46,23 +54,13 @@ def measure(strategy_name, batch, steps, repeats):
         strategy = kd.MultiWorkerMirroredStrategy()
     else:
         strategy = kd.MirroredStrategy()
-    import keras
     import numpy as np
 
-    keras.utils.set_random_seed(0)
+    _import_benchmarks()
+    from _jit_baseline import keras_mlp
+
     with strategy.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((FEATURES,)),
-                keras.layers.Dense(HIDDEN, activation="relu"),
-                keras.layers.Dense(HIDDEN, activation="relu"),
-                keras.layers.Dense(CLASSES),
-            ]
-        )
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
+        model = keras_mlp(FEATURES, HIDDEN, CLASSES, 0.01, 0.9)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch * steps, FEATURES)).astype("float32")
     y = rng.integers(0, CLASSES, batch * steps).astype("int32")
@@ -75,8 +73,6 @@ def measure(strategy_name, batch, steps, repeats):
 
 def measure_jit(batch, steps, repeats):
     """Runs in each worker: steps per second of the hand-written step across processes."""
-    import os
-    import sys
 
     import keras_dist as kd
 
@@ -86,7 +82,7 @@ def measure_jit(batch, steps, repeats):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    _import_benchmarks()
     from _jit_baseline import mlp_train_step
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("replica",))
