@@ -47,7 +47,7 @@ def _default_frame() -> Frame:
     # built once, since the default strategy and its replica context never change.
     global _DEFAULT_FRAME
     if _DEFAULT_FRAME is None:
-        from keras_dist._default_strategy import default_strategy
+        from keras_dist.strategies._default import default_strategy
 
         strategy = default_strategy()
         _DEFAULT_FRAME = Frame(strategy, strategy.extended._default_replica_context)
@@ -100,7 +100,7 @@ def has_strategy() -> bool:
     >>> kd.has_strategy()
     False
     """
-    from keras_dist._default_strategy import is_default_strategy
+    from keras_dist.strategies._default import is_default_strategy
 
     return not is_default_strategy(get_strategy())
 

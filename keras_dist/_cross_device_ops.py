@@ -231,7 +231,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         return self.accumulation_fn([gathered[i] for i in range(num_replicas)])
 
     def _reduce_components(self, extended, reduce_op, stacked_leaves):
-        from keras_dist._values import unstack
+        from keras_dist._values._distributed_values import unstack
 
         target = (
             resolve_device(self.reduce_to_device)

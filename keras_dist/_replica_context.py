@@ -4,7 +4,7 @@ from typing import Any
 
 from keras_dist import _context
 from keras_dist._reduce_op import ReduceOp
-from keras_dist._values import DistributedValues
+from keras_dist._values._distributed_values import DistributedValues
 
 
 class ReplicaContext:

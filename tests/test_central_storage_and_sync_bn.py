@@ -6,7 +6,7 @@ import pytest
 from conftest import cpus
 
 import keras_dist as kd
-from keras_dist._variables import numpy_components
+from keras_dist._values._variables import numpy_components
 
 
 def _fit(strategy, layer_cls=keras.layers.BatchNormalization, clipnorm=None, rows=70):

@@ -6,7 +6,7 @@ import pytest
 from conftest import cpus
 
 import keras_dist as kd
-from keras_dist._default_strategy import default_strategy
+from keras_dist.strategies._default import default_strategy
 
 _MIXING = "Mixing different tf.distribute.Strategy objects"
 _SET_IN_SCOPE = "Must not be called inside a `tf.distribute.Strategy` scope"

@@ -14,7 +14,7 @@ import pytest
 from conftest import cpus
 
 import keras_dist as kd
-from keras_dist._variables import numpy_components
+from keras_dist._values._variables import numpy_components
 
 SEED = 1337
 GLOBAL_BATCH = 64

@@ -15,7 +15,7 @@ from keras.src.backend.jax.core import JaxVariable
 from keras.src.optimizers import base_optimizer
 
 import keras_dist as kd
-from keras_dist import _keras_hooks
+from keras_dist._keras import _hooks as _keras_hooks
 
 
 def test_keras_asks_the_distribution_for_variable_layouts():

@@ -125,7 +125,7 @@ def test_two_workers_with_two_devices_each_run_2000_collective_steps():
 
 # --------------------------------------------------------------------------------- input
 def _numpy(values, batch_size, drop_remainder=False):
-    from keras_dist._input import NumpyDataset
+    from keras_dist._input._dataset import NumpyDataset
 
     return NumpyDataset(values).batch(batch_size, drop_remainder=drop_remainder)
 

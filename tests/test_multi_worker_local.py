@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist._multi_worker_mirrored import _ProcessLayout
+from keras_dist.strategies._multi_worker_mirrored import _ProcessLayout
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.cluster_resolver import SimpleClusterResolver
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import cpus
 
 import keras_dist as kd
-from keras_dist._variables import numpy_components
+from keras_dist._values._variables import numpy_components
 
 X = np.random.RandomState(0).rand(32, 3).astype("float32")
 Y = X.sum(axis=1, keepdims=True)

@@ -28,7 +28,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist._devices import resolve_device
-from keras_dist._variables import numpy_components
+from keras_dist._values._variables import numpy_components
 
 try:
     from conftest import cpus

@@ -30,15 +30,15 @@ from jax.sharding import PartitionSpec as P
 
 from keras_dist import _context
 from keras_dist._cross_device_ops import AXIS
-from keras_dist._keras_hooks import KerasVariable
-from keras_dist._keras_hooks import RecordingScope
-from keras_dist._keras_hooks import initialize_pending_variables
-from keras_dist._keras_hooks import pending_variables
+from keras_dist._keras._hooks import KerasVariable
+from keras_dist._keras._hooks import RecordingScope
+from keras_dist._keras._hooks import initialize_pending_variables
+from keras_dist._keras._hooks import pending_variables
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
-from keras_dist._values import DistributedValues
-from keras_dist._values import Mirrored
-from keras_dist._values import PerReplica
+from keras_dist._values._distributed_values import DistributedValues
+from keras_dist._values._distributed_values import Mirrored
+from keras_dist._values._distributed_values import PerReplica
 
 _MAX_TRACES_PER_SIGNATURE = 4
 _CACHE_SIZE = 64
@@ -368,7 +368,7 @@ class CompiledEngine:
 
     def _absorb_discoveries(self, strategy, record) -> bool:
         """Takes in variables the trace met for the first time; True to trace again."""
-        from keras_dist._variables import DistributedVariable
+        from keras_dist._values._variables import DistributedVariable
 
         again = False
         if pending_variables():

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from keras_dist import _context
 from keras_dist._replica_context import ReplicaContext
-from keras_dist._values import DistributedValues
-from keras_dist._values import regroup
+from keras_dist._values._distributed_values import DistributedValues
+from keras_dist._values._distributed_values import regroup
 
 _ABORT = object()
 
@@ -233,6 +233,6 @@ def on_device(array, device):
 
 
 def _is_leaf(x):
-    from keras_dist._keras_hooks import KerasVariable
+    from keras_dist._keras._hooks import KerasVariable
 
     return isinstance(x, (DistributedValues, KerasVariable))

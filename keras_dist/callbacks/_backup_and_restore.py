@@ -22,7 +22,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._fit import model_strategy
+from keras_dist._training._steps import model_strategy
 from keras_dist.callbacks import _preemption
 from keras_dist.callbacks import _role
 from keras_dist.callbacks import _training_state

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 
 from keras_dist import _context
-from keras_dist._fit import model_strategy
+from keras_dist._training._steps import model_strategy
 from keras_dist.cluster_resolver import _multi_worker
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 

@@ -21,8 +21,8 @@ import functools
 
 import jax
 
-from keras_dist._keras_hooks import keras_update_metrics
-from keras_dist._keras_hooks import overrides_keras_step
+from keras_dist._keras._hooks import keras_update_metrics
+from keras_dist._keras._hooks import overrides_keras_step
 
 
 def _unpack(data):
@@ -64,7 +64,7 @@ class UnevenSteps:
         return values
 
     def _assign_component(self, variables, index, values):
-        from keras_dist._variables import SyncOnReadVariable
+        from keras_dist._values._variables import SyncOnReadVariable
 
         for variable, value in zip(variables, values):
             if isinstance(variable, SyncOnReadVariable):
@@ -152,7 +152,7 @@ def _grad_step(model, trainable, non_trainable, metrics, optimizer_values, data,
 
 
 def _select(split, index):
-    from keras_dist._values import PerReplica
+    from keras_dist._values._distributed_values import PerReplica
 
     return jax.tree_util.tree_map(
         lambda v: v.values[index] if isinstance(v, PerReplica) else v,

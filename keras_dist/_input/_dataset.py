@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from keras_dist import _context
-from keras_dist._prefetch import Prefetch
-from keras_dist._values import PerReplica
+from keras_dist._input._prefetch import Prefetch
+from keras_dist._values._distributed_values import PerReplica
 
 
 class InputReplicationMode(enum.Enum):

@@ -25,10 +25,10 @@ import numpy as np
 from keras.src.backend import Variable as BackendVariable
 
 from keras_dist import _context
-from keras_dist._keras_hooks import KerasVariable
-from keras_dist._keras_hooks import get_stateless_scope
-from keras_dist._values import DistributedValues
-from keras_dist._values import PerReplica
+from keras_dist._keras._hooks import KerasVariable
+from keras_dist._keras._hooks import get_stateless_scope
+from keras_dist._values._distributed_values import DistributedValues
+from keras_dist._values._distributed_values import PerReplica
 
 
 class DistributedVariable(BackendVariable):
@@ -224,7 +224,7 @@ class SyncOnReadVariable(DistributedVariable):
     def _local_components(self):
         cached = getattr(self, "_components_cache", None)
         if cached is None or cached[0] is not self._stacked:
-            from keras_dist._values import unstack
+            from keras_dist._values._distributed_values import unstack
 
             cached = (self._stacked, list(unstack(self._stacked)))
             self._components_cache = cached

@@ -178,7 +178,7 @@ def install_optimizer_hook() -> None:
     @functools.wraps(_original_apply)
     def apply(self, grads, trainable_variables=None):
         from keras_dist import _context
-        from keras_dist._optimizer import apply_in_replica_context
+        from keras_dist._keras._optimizer import apply_in_replica_context
 
         replica_context = _context.current_frame().replica_context
         if replica_context is None or replica_context._is_default:
@@ -273,7 +273,7 @@ def _merged_stateless_apply(original):
 
 
 def _strategy_of(model):
-    from keras_dist._fit import model_strategy
+    from keras_dist._training._steps import model_strategy
 
     return model_strategy(model)
 
@@ -283,7 +283,7 @@ def _wrap_loop(original):
 
     @functools.wraps(original)
     def loop(self, *args, **kwargs):
-        from keras_dist._fit import check_fit_context
+        from keras_dist._training._steps import check_fit_context
 
         strategy = _strategy_of(self)
         if strategy is None:
@@ -302,7 +302,7 @@ def _wrap_loop(original):
 
 
 def _steps(model, strategy):
-    from keras_dist._fit import DistributedSteps
+    from keras_dist._training._steps import DistributedSteps
 
     steps = getattr(model, "_keras_dist_steps", None)
     if steps is None or steps.strategy is not strategy:
@@ -346,7 +346,7 @@ def _wrap_get_iterator(original):
             # read ahead, except from a generator: Keras may start a new epoch
             # on the same generator, and batches read ahead would be lost.
             from keras_dist._config import prefetch_buffer_size
-            from keras_dist._prefetch import Prefetch
+            from keras_dist._input._prefetch import Prefetch
 
             batches = self.data_adapter.get_numpy_iterator()
             size = prefetch_buffer_size()
@@ -396,7 +396,7 @@ def _wrap_compile(original):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
         from keras_dist import _context
-        from keras_dist._default_strategy import is_default_strategy
+        from keras_dist.strategies._default import is_default_strategy
 
         strategy = _context.get_strategy()
         if not is_default_strategy(strategy):
@@ -440,7 +440,7 @@ def _wrap_reduce_values(original):
         shape = tuple(getattr(values, "shape", ()))
         if reduction not in (None, "none") and 0 in shape:
             from keras_dist import _context
-            from keras_dist._default_strategy import is_default_strategy
+            from keras_dist.strategies._default import is_default_strategy
 
             if not is_default_strategy(_context.get_strategy()):
                 from keras.src import ops

@@ -11,10 +11,10 @@ from keras_dist import _context
 from keras_dist._devices import device_name
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
-from keras_dist._strategy import Strategy
-from keras_dist._strategy import StrategyExtended
-from keras_dist._strategy import require_cross_replica
-from keras_dist._values import DistributedValues
+from keras_dist.strategies._strategy import Strategy
+from keras_dist.strategies._strategy import StrategyExtended
+from keras_dist.strategies._strategy import require_cross_replica
+from keras_dist._values._distributed_values import DistributedValues
 from keras_dist.experimental._value_context import ValueContext
 
 

@@ -7,8 +7,8 @@ loss scaling and the iteration counter see the aggregated values, once.
 """
 
 from keras_dist._engine._eager import on_device
-from keras_dist._keras_hooks import RecordingScope
-from keras_dist._keras_hooks import get_stateless_scope
+from keras_dist._keras._hooks import RecordingScope
+from keras_dist._keras._hooks import get_stateless_scope
 from keras_dist._reduce_op import ReduceOp
 
 

@@ -24,20 +24,20 @@ from keras_dist._engine._compiled import CompiledEngine
 from keras_dist._engine._eager import EagerEngine
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._gate import needs_serializing
-from keras_dist._keras_hooks import StrategyDistribution
-from keras_dist._keras_hooks import building_batch_norm
-from keras_dist._keras_hooks import set_variable_class
+from keras_dist._keras._hooks import StrategyDistribution
+from keras_dist._keras._hooks import building_batch_norm
+from keras_dist._keras._hooks import set_variable_class
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
-from keras_dist._strategy import StrategyExtended
-from keras_dist._strategy import require_cross_replica
-from keras_dist._values import DistributedValues
-from keras_dist._values import Mirrored
-from keras_dist._values import PerReplica
-from keras_dist._values import regroup
-from keras_dist._variables import DistributedVariable
-from keras_dist._variables import MirroredVariable
-from keras_dist._variables import SyncOnReadVariable
+from keras_dist.strategies._strategy import StrategyExtended
+from keras_dist.strategies._strategy import require_cross_replica
+from keras_dist._values._distributed_values import DistributedValues
+from keras_dist._values._distributed_values import Mirrored
+from keras_dist._values._distributed_values import PerReplica
+from keras_dist._values._distributed_values import regroup
+from keras_dist._values._variables import DistributedVariable
+from keras_dist._values._variables import MirroredVariable
+from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.experimental._value_context import ValueContext
 
 
@@ -347,7 +347,7 @@ class MeshExtended(StrategyExtended):
         return self._cross_device_ops._reduce_components(self, op, [stacked])[0]
 
     def _unstack_first(self, stacked):
-        from keras_dist._values import unstack
+        from keras_dist._values._distributed_values import unstack
 
         return unstack(stacked)[0]
 

@@ -4,8 +4,8 @@ import jax
 
 from keras_dist._devices import resolve_device
 from keras_dist._devices import resolve_devices
-from keras_dist._mesh_extended import MeshExtended
-from keras_dist._strategy import Strategy
+from keras_dist.strategies._mesh_extended import MeshExtended
+from keras_dist.strategies._strategy import Strategy
 
 
 def _default_parameter_device(compute_devices):

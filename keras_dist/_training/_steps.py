@@ -26,14 +26,14 @@ import numpy as np
 
 from keras_dist import _context
 from keras_dist._engine._compiled import ReplicatedOutput
-from keras_dist._fit_uneven import UnevenSteps
-from keras_dist._input import _GlobalBatchSplitter
-from keras_dist._values import PerReplica
+from keras_dist._engine._per_shape import UnevenSteps
+from keras_dist._input._dataset import _GlobalBatchSplitter
+from keras_dist._values._distributed_values import PerReplica
 
 
 def model_strategy(model):
     """The strategy a model was created (or compiled) under, or ``None``."""
-    from keras_dist._variables import DistributedVariable
+    from keras_dist._values._variables import DistributedVariable
 
     recorded = getattr(model, "_keras_dist_strategy", None)
     strategies = {
@@ -65,7 +65,7 @@ def model_strategy(model):
 def check_fit_context(model):
     """Raises when a model built outside any strategy is trained inside a scope."""
     current = _context.get_strategy()
-    from keras_dist._default_strategy import is_default_strategy
+    from keras_dist.strategies._default import is_default_strategy
 
     if not is_default_strategy(current):
         raise ValueError(
@@ -263,7 +263,7 @@ def _assign(variables, values):
     value, so it is written as it is, without the aggregation a replica's own
     write would get (an ``only_first_replica`` counter would cost a collective).
     """
-    from keras_dist._variables import MirroredVariable
+    from keras_dist._values._variables import MirroredVariable
 
     for variable, value in zip(variables, values):
         if isinstance(variable, MirroredVariable):

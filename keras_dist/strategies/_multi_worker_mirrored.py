@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from keras_dist import _context
 from keras_dist import _distributed_runtime
 from keras_dist._engine._gate import GATE
-from keras_dist._mesh_extended import MeshExtended
+from keras_dist.strategies._mesh_extended import MeshExtended
 from keras_dist._reduce_op import ReduceOp
-from keras_dist._strategy import Strategy
+from keras_dist.strategies._strategy import Strategy
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.cluster_resolver import SimpleClusterResolver
 from keras_dist.cluster_resolver import TFConfigClusterResolver
@@ -286,7 +286,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._cluster_resolver
 
     def _input_context(self):
-        from keras_dist._input import InputContext
+        from keras_dist._input._dataset import InputContext
 
         extended = self._extended
         return InputContext(

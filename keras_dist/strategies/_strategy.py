@@ -9,11 +9,11 @@ import contextlib
 from typing import Any
 
 from keras_dist import _context
-from keras_dist._input import DistributedDataset
-from keras_dist._input import InputContext
-from keras_dist._input import NumpyDataset
+from keras_dist._input._dataset import DistributedDataset
+from keras_dist._input._dataset import InputContext
+from keras_dist._input._dataset import NumpyDataset
 from keras_dist._reduce_op import ReduceOp
-from keras_dist._values import DistributedValues
+from keras_dist._values._distributed_values import DistributedValues
 
 _CROSS_REPLICA_ONLY = (
     "Method requires being in cross-replica context, use get_replica_context().merge_call()"
