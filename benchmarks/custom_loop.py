@@ -5,7 +5,7 @@ Both run the example's model (examples/custom_training_loop.py: 64 -> 128 -> 128
 batches already on the devices, alternating in one process. The hand-written
 step is ``jax.jit(jax.shard_map(...))`` with a ``psum`` of the gradients; like
 keras_dist it waits for the previous step before dispatching the next on CPU
-(DESIGN.md §8: overlapping collective executions abort there).
+(docs/architecture.md: overlapping collective executions abort there).
 
     python benchmarks/custom_loop.py [--devices 4] [--batch 64] [--steps 200]
 
@@ -78,7 +78,7 @@ def jit_runner(devices, batches, initial_weights):
         loss = None
         for i in range(steps):
             if loss is not None:
-                loss.block_until_ready()  # one collective execution in flight (DESIGN §8)
+                loss.block_until_ready()  # one collective execution in flight (docs/architecture.md)
             x, y = data[i % len(data)]
             state["params"], state["momentum"], loss = compiled(
                 state["params"], state["momentum"], x, y

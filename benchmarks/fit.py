@@ -6,7 +6,7 @@ In one invocation, on the same devices and the same data:
     ``jax.jit(jax.shard_map(...))`` data-parallel loop of the same model and
     optimizer (SGD with momentum, Keras's update rule), fed the same NumPy
     batches. Like keras_dist, the loop waits for each step before dispatching
-    the next on CPU (DESIGN.md §8).
+    the next on CPU (docs/architecture.md, "A jaxlib hazard").
 (b) ``OneDeviceStrategy`` fit against plain Keras ``fit`` on one device.
 
     python benchmarks/fit.py [--devices 4] [--batch 256] [--steps 100]

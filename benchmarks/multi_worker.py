@@ -121,7 +121,7 @@ def measure_jit(batch, steps, repeats):
             state["params"], state["velocity"], loss = step(
                 state["params"], state["velocity"], xb, yb
             )
-            loss.block_until_ready()  # one execution in flight (DESIGN.md §8)
+            loss.block_until_ready()  # one execution in flight (docs/architecture.md, "A jaxlib hazard")
 
     return epoch_rates(epoch, steps, repeats)
 

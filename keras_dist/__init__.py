@@ -13,6 +13,8 @@ from keras_dist._backend import ensure_jax_backend
 
 ensure_jax_backend()
 
+from keras_dist import _keras  # noqa: E402
+from keras_dist import _training  # noqa: E402
 from keras_dist import callbacks as callbacks  # noqa: E402
 from keras_dist import cluster_resolver as cluster_resolver  # noqa: E402
 from keras_dist import config as config  # noqa: E402
@@ -32,35 +34,28 @@ from keras_dist._cross_device_ops import CrossDeviceOps as CrossDeviceOps  # noq
 from keras_dist._cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce  # noqa: E402
 from keras_dist._cross_device_ops import NcclAllReduce as NcclAllReduce  # noqa: E402
 from keras_dist._cross_device_ops import ReductionToOneDevice as ReductionToOneDevice  # noqa: E402
-from keras_dist._training._value_and_grad import value_and_grad as value_and_grad  # noqa: E402
-from keras_dist._input._dataset import DistributedDataset as DistributedDataset  # noqa: E402
-from keras_dist._input._dataset import DistributedIterator as DistributedIterator  # noqa: E402
-from keras_dist._input._dataset import InputContext as InputContext  # noqa: E402
-from keras_dist._input._dataset import InputOptions as InputOptions  # noqa: E402
-from keras_dist._input._dataset import InputReplicationMode as InputReplicationMode  # noqa: E402
-from keras_dist._keras._hooks import install_optimizer_hook  # noqa: E402
-from keras_dist._keras._hooks import install_trainer_hook  # noqa: E402
-from keras_dist._keras._hooks import install_variable_hook  # noqa: E402
+from keras_dist._input import DistributedDataset as DistributedDataset  # noqa: E402
+from keras_dist._input import DistributedIterator as DistributedIterator  # noqa: E402
+from keras_dist._input import InputContext as InputContext  # noqa: E402
+from keras_dist._input import InputOptions as InputOptions  # noqa: E402
+from keras_dist._input import InputReplicationMode as InputReplicationMode  # noqa: E402
 from keras_dist._launch import launch as launch  # noqa: E402
-from keras_dist.strategies._mirrored import MirroredStrategy as MirroredStrategy  # noqa: E402
-from keras_dist.strategies._mirrored import OneDeviceStrategy as OneDeviceStrategy  # noqa: E402
-from keras_dist.strategies._multi_worker_mirrored import (  # noqa: E402
-    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
-)
 from keras_dist._reduce_op import ReduceOp as ReduceOp  # noqa: E402
 from keras_dist._replica_context import ReplicaContext as ReplicaContext  # noqa: E402
 from keras_dist._run_options import RunOptions as RunOptions  # noqa: E402
-from keras_dist.strategies._strategy import Strategy as Strategy  # noqa: E402
-from keras_dist.strategies._strategy import StrategyExtended as StrategyExtended  # noqa: E402
-from keras_dist._values._distributed_values import DistributedValues as DistributedValues  # noqa: E402
-from keras_dist._values._distributed_values import Mirrored as Mirrored  # noqa: E402
-from keras_dist._values._distributed_values import PerReplica as PerReplica  # noqa: E402
+from keras_dist._training import value_and_grad as value_and_grad  # noqa: E402
+from keras_dist._values import DistributedValues as DistributedValues  # noqa: E402
+from keras_dist._values import Mirrored as Mirrored  # noqa: E402
+from keras_dist._values import PerReplica as PerReplica  # noqa: E402
 from keras_dist._values._variables import MirroredVariable as MirroredVariable  # noqa: E402
 from keras_dist._values._variables import SyncOnReadVariable as SyncOnReadVariable  # noqa: E402
+from keras_dist.strategies import MirroredStrategy as MirroredStrategy  # noqa: E402
+from keras_dist.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy  # noqa: E402
+from keras_dist.strategies import OneDeviceStrategy as OneDeviceStrategy  # noqa: E402
+from keras_dist.strategies import Strategy as Strategy  # noqa: E402
+from keras_dist.strategies import StrategyExtended as StrategyExtended  # noqa: E402
 
-install_optimizer_hook()
-install_variable_hook()
-install_trainer_hook()
+_keras.install_hooks(_training.KERAS_INTEGRATION, _training.apply_in_replica_context)
 
 __version__ = "0.1.0"
 

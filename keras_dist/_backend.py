@@ -18,6 +18,7 @@ def ensure_jax_backend() -> None:
     """Sets ``KERAS_BACKEND=jax`` when unset; refuses another backend."""
     requested = os.environ.get("KERAS_BACKEND")
     if "keras" in sys.modules:
+        # Imported here: importing Keras before KERAS_BACKEND is set would pick its default.
         import keras
 
         active = keras.backend.backend()

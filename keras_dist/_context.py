@@ -16,9 +16,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from keras.src.backend.common import global_state
-
-_KERAS_DISTRIBUTION = "distribution"
+import keras
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,45 +37,49 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 
 
-_DEFAULT_FRAME = None
+# The frame in effect outside any scope. The default strategy registers it
+# when it is defined (``set_default_strategy``): this module sits below the
+# strategies. Asked for several times per step, so built once.
+_default_frame = None
 
 
-def _default_frame() -> Frame:
-    # Asked for several times per step (every context check outside a scope):
-    # built once, since the default strategy and its replica context never change.
-    global _DEFAULT_FRAME
-    if _DEFAULT_FRAME is None:
-        from keras_dist.strategies._default import default_strategy
-
-        strategy = default_strategy()
-        _DEFAULT_FRAME = Frame(strategy, strategy.extended._default_replica_context)
-    return _DEFAULT_FRAME
+def set_default_strategy(strategy) -> None:
+    """Registers the strategy in effect outside any scope (done by ``strategies``)."""
+    global _default_frame
+    _default_frame = Frame(strategy, strategy.extended.default_replica_context)
 
 
 def current_frame() -> Frame:
     """The innermost frame of this thread (the default one when empty)."""
     stack = _state.stack
-    return stack[-1] if stack else _default_frame()
+    return stack[-1] if stack else _default_frame
 
 
-def frames() -> list:
-    """This thread's frames, outermost first (empty in the default state)."""
-    return list(_state.stack)
+def other_strategy_in_scope(strategy):
+    """An enclosing frame's strategy other than ``strategy``, or ``None``.
+
+    Strategies do not nest: entering one's scope or ``run`` inside another's is
+    an error (TF's "Mixing different tf.distribute.Strategy objects").
+    """
+    for frame in _state.stack:
+        if frame.strategy is not strategy:
+            return frame.strategy
+    return None
+
+
 
 
 @contextlib.contextmanager
 def push(frame: Frame):
     """Makes ``frame`` current for the body; restores the previous state after."""
-    previous_distribution = global_state.get_global_attribute(_KERAS_DISTRIBUTION)
+    previous_distribution = keras.distribution.distribution()
     _state.stack.append(frame)
-    global_state.set_global_attribute(
-        _KERAS_DISTRIBUTION, frame.strategy.extended._keras_distribution
-    )
+    keras.distribution.set_distribution(frame.strategy.extended.keras_distribution)
     try:
         yield frame
     finally:
         _state.stack.pop()
-        global_state.set_global_attribute(_KERAS_DISTRIBUTION, previous_distribution)
+        keras.distribution.set_distribution(previous_distribution)
 
 
 def get_strategy():
@@ -100,9 +102,7 @@ def has_strategy() -> bool:
     >>> kd.has_strategy()
     False
     """
-    from keras_dist.strategies._default import is_default_strategy
-
-    return not is_default_strategy(get_strategy())
+    return get_strategy() is not _default_frame.strategy
 
 
 def get_replica_context():

@@ -1,7 +1,7 @@
 """`CrossDeviceOps`: the ways values of several replicas are reduced on JAX.
 
 Each implementation is a real, different reduction path; all give the same
-numbers. ``_reduce_in_replica`` runs inside the compiled engine (under
+numbers. ``reduce_in_replica`` runs inside the compiled engine (under
 ``shard_map``, one call per replica) on a list of tensors: it packs the small
 ones into one buffer per dtype, so a step that reduces 50 gradients issues one
 collective, not 50. Reductions in the cross-replica context run the
@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from keras_dist import _context
 from keras_dist._devices import resolve_device
+from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._reduce_op import ReduceOp
-
-AXIS = "replica"
+from keras_dist._values import unstack
 
 
 def _pack(leaves, max_packed_elements=None):
@@ -84,18 +84,14 @@ class CrossDeviceOps:
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
         """Reduces several values at once: one fused reduction for all of them."""
-        from keras_dist import _context
-
         strategy = _context.get_strategy()
         return strategy.extended.batch_reduce_to(reduce_op, value_destination_pairs, options)
 
     def broadcast(self, tensor, destinations):
         """Copies ``tensor`` to every destination device, as a ``Mirrored`` value."""
-        from keras_dist import _context
-
         return _context.get_strategy().extended.broadcast_to(tensor, destinations)
 
-    def _reduce_in_replica(self, reduce_op: ReduceOp, leaves: list, num_replicas: int) -> list:
+    def reduce_in_replica(self, reduce_op: ReduceOp, leaves: list, num_replicas: int) -> list:
         """Reduces ``leaves`` across the ``"replica"`` axis; call under ``shard_map``."""
         if not leaves:
             return []
@@ -115,27 +111,30 @@ class CrossDeviceOps:
     def _reduce_buffer(self, buffer, num_replicas):
         raise NotImplementedError
 
-    def _reduce_components(self, extended, reduce_op, stacked_leaves):
-        """Cross-replica reduction of stacked ``(n, ...)`` arrays; results replicated."""
-        key = (id(extended), reduce_op, len(stacked_leaves))
+    def reduce_components(self, placement, reduce_op, stacked_leaves):
+        """Cross-replica reduction of stacked ``(n, ...)`` arrays; results replicated.
+
+        ``placement`` is the strategy's ``Placement`` (its mesh and executor).
+        """
+        key = (placement.mesh, reduce_op, len(stacked_leaves))
         fn = self._jitted.get(key)
         if fn is None:
-            n = extended._num_replicas_in_sync
+            n = placement.num_replicas
 
             def body(*leaves):
-                return tuple(self._reduce_in_replica(reduce_op, [x[0] for x in leaves], n))
+                return tuple(self.reduce_in_replica(reduce_op, [x[0] for x in leaves], n))
 
             fn = jax.jit(
                 jax.shard_map(
                     body,
-                    mesh=extended._mesh,
+                    mesh=placement.mesh,
                     in_specs=P(AXIS),
                     out_specs=P(),
                     check_vma=False,
                 )
             )
             self._jitted[key] = fn
-        return list(extended._gated(fn, *stacked_leaves))
+        return list(placement.execute(fn, *stacked_leaves))
 
     def __repr__(self):
         return f"{type(self).__name__}()"
@@ -230,22 +229,20 @@ class ReductionToOneDevice(CrossDeviceOps):
         gathered = lax.all_gather(buffer, AXIS, axis=0)
         return self.accumulation_fn([gathered[i] for i in range(num_replicas)])
 
-    def _reduce_components(self, extended, reduce_op, stacked_leaves):
-        from keras_dist._values._distributed_values import unstack
-
+    def reduce_components(self, placement, reduce_op, stacked_leaves):
         target = (
             resolve_device(self.reduce_to_device)
             if self.reduce_to_device is not None
-            else extended._devices[0]
+            else placement.local_devices[0]
         )
-        n = extended._num_local_replicas
+        n = placement.num_local_replicas
         out = []
         for stacked in stacked_leaves:
             parts = [jax.device_put(c, target) for c in unstack(stacked)]
             total = self.accumulation_fn(parts)
             if reduce_op is ReduceOp.MEAN:
                 total = _divide(total, n)
-            out.append(jax.device_put(total, NamedSharding(extended._mesh, P())))
+            out.append(jax.device_put(total, placement.replicated))
         return out
 
 

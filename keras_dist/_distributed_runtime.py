@@ -26,6 +26,10 @@ import time
 
 import jax
 
+# JAX's own multi-process state: whether it started, and its coordination client.
+from jax._src import distributed
+from jax._src import xla_bridge
+
 from keras_dist.errors import DeadlineExceededError
 from keras_dist.errors import UnavailableError
 
@@ -35,16 +39,12 @@ _DIAGNOSIS_SECONDS = 3.0
 
 
 def is_initialized() -> bool:
-    from jax._src import distributed
-
+    """Whether ``jax.distributed`` has been started in this process."""
     return distributed.global_state.client is not None
 
 
 def initialize(coordinator_address, num_processes, process_id, *, timeout_seconds, collectives):
     """Starts ``jax.distributed`` for this process, or checks the running one matches."""
-    from jax._src import distributed
-    from jax._src import xla_bridge
-
     state = distributed.global_state
     if state.client is not None:
         if (state.num_processes, state.process_id) != (num_processes, process_id):
@@ -192,8 +192,6 @@ class PeerWatch:
 
     def _missing_peers(self) -> list:
         """The tasks that did not report in, through the coordination service."""
-        from jax._src import distributed
-
         client = distributed.global_state.client
         others = [i for i in range(len(self._task_names)) if i != self._process_id]
         try:

@@ -39,6 +39,14 @@ class ReplicaContext:
         self._is_default = _is_default
 
     @property
+    def eager_index(self) -> "int | None":
+        """This replica's local index when it runs on a thread of its own (eager engine).
+
+        ``None`` in a compiled trace, which stands for every replica at once.
+        """
+        return self._eager_index
+
+    @property
     def strategy(self):
         """The strategy this replica belongs to."""
         return self._strategy
@@ -108,13 +116,13 @@ class ReplicaContext:
             return value
         return self._engine.all_gather(value, axis)
 
-    def _update_on_write(self, variable, kind, value):
+    def update_on_write(self, variable, kind, value):
         """A write to a mirrored variable from this replica, combined by aggregation."""
         aggregation = variable.aggregation
-        if aggregation == "none" and getattr(self._engine, "compiled", False):
+        if aggregation == "none" and self._engine.compiled:
             # Every replica writes the same value (TF2's rule): no collective.
-            return variable._plain_write(kind, value)
-        if self._eager_index is not None and variable._scope_value() is not None:
+            return variable.plain_write(kind, value)
+        if self._eager_index is not None and variable.scope_value() is not None:
             # Keras's stateless code on an eager replica keeps the value in its
             # own scope, out of reach of a merge_fn on another thread: combine
             # the values here, then write them into that scope.
@@ -122,7 +130,7 @@ class ReplicaContext:
                 value = self.all_reduce(ReduceOp.from_variable_aggregation(aggregation), value)
             elif aggregation == "only_first_replica":
                 value = self.merge_call(lambda s, v: _first_replica_value(s, v), args=(value,))
-            return variable._plain_write(kind, value)
+            return variable.plain_write(kind, value)
 
         def merge_fn(strategy, value):
             if aggregation in ("none", "only_first_replica"):
@@ -147,6 +155,21 @@ class ReplicaContext:
             f"ReplicaContext(strategy={type(self._strategy).__name__}, "
             f"replica_id_in_sync_group={self._replica_id_in_sync_group!r})"
         )
+
+
+def running_replica_context() -> "ReplicaContext | None":
+    """The replica context of a strategy's ``run`` we are inside, else ``None``.
+
+    ``None`` in the cross-replica context and in the default replica context
+    (outside any strategy), where replica-only rules do not apply.
+
+    >>> running_replica_context() is None
+    True
+    """
+    replica_context = _context.current_frame().replica_context
+    if replica_context is None or replica_context._is_default:
+        return None
+    return replica_context
 
 
 def _first_replica_value(strategy, value):

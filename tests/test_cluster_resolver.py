@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+import keras_dist as kd
 from keras_dist import cluster_resolver as cr
 
 PS_WORKER_CLUSTER = {
@@ -237,6 +238,25 @@ def test_union_needs_resolvers():
         cr.UnionClusterResolver({"worker": ["w:1"]})
 
 
+def test_union_resolver_is_tf_alias_of_union_cluster_resolver():
+    assert kd.cluster_resolver.UnionResolver is kd.cluster_resolver.UnionClusterResolver
+    assert "UnionResolver" in kd.cluster_resolver.__all__
+    a = cr.SimpleClusterResolver(
+        cr.ClusterSpec({"worker": ["w0:2222", "w1:2222"], "chief": ["c0:2222"]}),
+        task_type="chief",
+        task_id=0,
+    )
+    b = cr.SimpleClusterResolver(cr.ClusterSpec({"worker": ["w2:2222"], "ps": ["p0:2222"]}))
+    union = kd.cluster_resolver.UnionResolver(a, b)
+    assert union.cluster_spec().as_dict() == {
+        "worker": ["w0:2222", "w1:2222", "w2:2222"],
+        "chief": ["c0:2222"],
+        "ps": ["p0:2222"],
+    }
+    assert (union.task_type, union.task_id) == ("chief", 0)
+    assert union.master("worker", 2, rpc_layer="grpc") == "grpc://w2:2222"
+
+
 # §H 61
 
 
@@ -280,7 +300,7 @@ def test_cluster_spec_rejects_bad_input():
         cr.ClusterSpec({"worker": "h:1"})
 
 
-# Slurm, Kubeflow, Keras and resolve_cluster (DESIGN §7)
+# Slurm, Kubeflow, Keras and resolve_cluster (docs/architecture.md, "Several processes")
 
 
 def test_slurm_hostlist_and_tasks_per_node():

@@ -117,7 +117,7 @@ def test_donated_state_survives_a_shared_buffer():
 
 @pytest.mark.stress
 def test_two_thousand_compiled_steps_with_collectives_do_not_abort():
-    # DESIGN §8: overlapping collective executions abort on simulated CPU devices.
+    # Overlapping collective executions abort on simulated CPU devices (docs/architecture.md).
     strategy = kd.MirroredStrategy(cpus(4))
     with strategy.scope():
         w = keras.Variable(np.zeros((64,), "float32"), aggregation="sum")

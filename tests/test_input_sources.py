@@ -9,7 +9,7 @@ import pytest
 from conftest import cpus
 
 import keras_dist as kd
-from keras_dist._input._prefetch import Prefetch
+from keras_dist._input import Prefetch
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(96, 4)).astype("float32")

@@ -1,7 +1,8 @@
-"""The Keras internals keras_dist relies on (keras_dist/_keras_hooks.py) are still there.
+"""The Keras internals keras_dist relies on (keras_dist/_keras/) behave as the hooks expect.
 
-When one of these fails after a Keras upgrade, the hook in `_keras_hooks.py`
-that names the same internal needs updating.
+When one of these fails after a Keras upgrade, the hook in `keras_dist/_keras/`
+that names the same internal needs updating. `test_keras_internals.py` checks
+that every symbol on the list is present, with its parameters.
 """
 
 import inspect
@@ -15,11 +16,12 @@ from keras.src.backend.jax.core import JaxVariable
 from keras.src.optimizers import base_optimizer
 
 import keras_dist as kd
-from keras_dist._keras import _hooks as _keras_hooks
+from keras_dist import _keras as _keras_hooks
+from keras_dist._keras import _variables as _variable_hooks
 
 
 def test_keras_asks_the_distribution_for_variable_layouts():
-    source = inspect.getsource(_keras_hooks._original_initialize_layout)
+    source = inspect.getsource(_variable_hooks._original_initialize_layout)
     assert "get_variable_layout" in source
     assert global_state.get_global_attribute("distribution") is None
 

@@ -19,7 +19,7 @@ from keras_dist import testing
 from keras_dist._launch import launch
 from keras_dist._launch._cli import main as cli_main
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.multiprocess]
 
 
 # --- Functions the tasks run -------------------------------------------------------------------

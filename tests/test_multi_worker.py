@@ -11,6 +11,8 @@ import pytest
 import keras_dist as kd
 from keras_dist import testing
 
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT = 180  # seconds per cluster; a hang fails the test with every worker's log
 
 
@@ -102,7 +104,7 @@ def _two_devices_each_worker(steps):
     values = strategy.experimental_distribute_values_from_function(
         lambda context: np.float32(context.replica_id_in_sync_group)
     )
-    for _ in range(steps):  # DESIGN §8: overlapping collectives hung across processes
+    for _ in range(steps):  # overlapping collectives hung across processes (docs/architecture.md)
         out = strategy.run(step, args=(values,))
     batches = strategy.experimental_distribute_dataset(_numpy(np.arange(15), 4))
     return {
@@ -113,6 +115,7 @@ def _two_devices_each_worker(steps):
     }
 
 
+@pytest.mark.stress
 def test_two_workers_with_two_devices_each_run_2000_collective_steps():
     first, second = _launch(_two_devices_each_worker, devices=2, args=(2000,))
     assert (first["ids"], second["ids"]) == ([0, 1], [2, 3])
@@ -125,7 +128,7 @@ def test_two_workers_with_two_devices_each_run_2000_collective_steps():
 
 # --------------------------------------------------------------------------------- input
 def _numpy(values, batch_size, drop_remainder=False):
-    from keras_dist._input._dataset import NumpyDataset
+    from keras_dist._input import NumpyDataset
 
     return NumpyDataset(values).batch(batch_size, drop_remainder=drop_remainder)
 

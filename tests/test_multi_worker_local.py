@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist.strategies._multi_worker_mirrored import _ProcessLayout
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.cluster_resolver import SimpleClusterResolver
+from keras_dist.strategies._multi_worker_mirrored import _ProcessLayout
 
 CHIEF_AND_TWO = {"chief": ["c:1"], "worker": ["w0:1", "w1:1"]}
 

@@ -31,6 +31,7 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
     assert "CentralStorageStrategy" in outputs
 
 
+@pytest.mark.multiprocess
 def test_multi_worker_notebook_launches_two_workers(tmp_path):
     notebook = nbformat.read(EXAMPLES / "multi_worker.ipynb", as_version=4)
     NotebookClient(

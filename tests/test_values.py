@@ -15,7 +15,7 @@ import pytest
 from conftest import cpus
 
 import keras_dist as kd
-from keras_dist._values._distributed_values import DistributedDelegate
+from keras_dist._values import DistributedDelegate
 
 
 def _gather(strategy, value):

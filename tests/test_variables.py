@@ -92,7 +92,7 @@ def test_variable_made_in_scope_is_mirrored(n, synchronization):
     assert v.name == "foo"  # TF: "foo:0"; Keras names have no output index.
     assert _components(v) == [1.0] * n
     # One component per device, on the strategy's worker devices, in order.
-    devices = [next(iter(c.devices())) for c in (v._component(i) for i in range(n))]
+    devices = [next(iter(c.devices())) for c in (v.component(i) for i in range(n))]
     assert devices == [resolve_device(d) for d in cpus(n)]
     assert len(strategy.extended.worker_devices) == n
 

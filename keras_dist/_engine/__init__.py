@@ -1,1 +1,17 @@
-"""The replica engines: compiled (``jax.jit`` over ``jax.shard_map``) and eager (threads)."""
+"""The replica engines behind ``strategy.run``.
+
+* ``CompiledEngine``: ``jax.jit`` over ``jax.shard_map``, one program per input
+  signature (the default).
+* ``EagerEngine``: one thread per replica (debugging, and per-replica inputs of
+  different shapes).
+* ``PerShapeSteps``: Keras's train and test steps compiled per replica shape,
+  for a batch that does not split evenly between replicas (``fit``).
+
+Each engine's replica side implements ``ReplicaEngine``.
+"""
+
+from keras_dist._engine._compiled import CompiledEngine as CompiledEngine
+from keras_dist._engine._compiled import ReplicatedOutput as ReplicatedOutput
+from keras_dist._engine._eager import EagerEngine as EagerEngine
+from keras_dist._engine._interface import ReplicaEngine as ReplicaEngine
+from keras_dist._engine._per_shape import PerShapeSteps as PerShapeSteps

@@ -29,16 +29,19 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from keras_dist import _context
-from keras_dist._cross_device_ops import AXIS
-from keras_dist._keras._hooks import KerasVariable
-from keras_dist._keras._hooks import RecordingScope
-from keras_dist._keras._hooks import initialize_pending_variables
-from keras_dist._keras._hooks import pending_variables
+from keras_dist._engine._interface import ReplicaEngine
+from keras_dist._keras import KerasVariable
+from keras_dist._keras import RecordingScope
+from keras_dist._keras import initialize_pending_variables
+from keras_dist._keras import pending_variables
+from keras_dist._keras import variable_has_value
+from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
-from keras_dist._values._distributed_values import DistributedValues
-from keras_dist._values._distributed_values import Mirrored
-from keras_dist._values._distributed_values import PerReplica
+from keras_dist._values import DistributedValues
+from keras_dist._values import Mirrored
+from keras_dist._values import PerReplica
+from keras_dist._values._variables import DistributedVariable
 
 _MAX_TRACES_PER_SIGNATURE = 4
 _CACHE_SIZE = 64
@@ -88,19 +91,19 @@ class _Record:
         self.out = None
 
 
-class CompiledReplica:
+class CompiledReplica(ReplicaEngine):
     """The replica side of a trace: collectives and merge_call for ``ReplicaContext``."""
 
     compiled = True
 
     def __init__(self, extended):
         self._extended = extended
-        self.num_replicas = extended._num_replicas_in_sync
+        self.num_replicas = extended.num_replicas_in_sync
         self.replica_context = None
 
     @property
     def _cross_device_ops(self):
-        return self._extended._cross_device_ops
+        return self._extended.cross_device_ops
 
     def _wrap_traced(self, x):
         if isinstance(x, jax.core.Tracer):
@@ -108,7 +111,7 @@ class CompiledReplica:
         return x
 
     def merge_call(self, replica_context, merge_fn, args, kwargs):
-        strategy = self._extended._container_strategy()
+        strategy = self._extended.container_strategy
         args, kwargs = jax.tree_util.tree_map(
             self._wrap_traced, (args, kwargs), is_leaf=_is_input_leaf
         )
@@ -122,7 +125,7 @@ class CompiledReplica:
         The program already runs once per replica under ``shard_map``, and JAX
         does not allow a second ``shard_map`` over the same mesh inside it.
         """
-        strategy = self._extended._container_strategy()
+        strategy = self._extended.container_strategy
         args, kwargs = jax.tree_util.tree_map(_local_part, (args, kwargs), is_leaf=_is_input_leaf)
         with _context.push(_context.Frame(strategy, self.replica_context, engine=self)):
             result = fn(*args, **kwargs)
@@ -131,7 +134,7 @@ class CompiledReplica:
     def all_reduce(self, reduce_op, value):
         leaves, treedef = jax.tree_util.tree_flatten(value)
         leaves = [jnp.asarray(x) for x in leaves]
-        reduced = self._cross_device_ops._reduce_in_replica(reduce_op, leaves, self.num_replicas)
+        reduced = self._cross_device_ops.reduce_in_replica(reduce_op, leaves, self.num_replicas)
         return jax.tree_util.tree_unflatten(treedef, reduced)
 
     def all_gather(self, value, axis):
@@ -144,7 +147,7 @@ class CompiledReplica:
         if aggregation == "only_first_replica":
             return lax.all_gather(local, AXIS)[0]
         op = ReduceOp.from_variable_aggregation(aggregation)
-        return self._cross_device_ops._reduce_in_replica(op, [local], self.num_replicas)[0]
+        return self._cross_device_ops.reduce_in_replica(op, [local], self.num_replicas)[0]
 
     def reduce_traced(self, reduce_op, values) -> list:
         """``batch_reduce_to`` inside a merge_call: one fused reduction for all values."""
@@ -155,8 +158,8 @@ class CompiledReplica:
                 positions.append(i)
                 locals_.append(_local_part(value))
             else:
-                results[i] = self._extended._reduce_non_distributed(reduce_op, value)
-        reduced = self._cross_device_ops._reduce_in_replica(reduce_op, locals_, self.num_replicas)
+                results[i] = self._extended.reduce_non_distributed(reduce_op, value)
+        reduced = self._cross_device_ops.reduce_in_replica(reduce_op, locals_, self.num_replicas)
         for i, r in zip(positions, reduced):
             results[i] = Mirrored(None, _traced=_TracedValue(r, self), _validate=False)
         return results
@@ -164,7 +167,7 @@ class CompiledReplica:
     def reduce_with_axis(self, reduce_op, value, axis):
         local = _local_part(value)
         if axis is None:
-            return self.reduce_traced(reduce_op, [value])[0]._local()
+            return self.reduce_traced(reduce_op, [value])[0].local()
         total = lax.psum(jnp.sum(local, axis=axis), AXIS)
         if reduce_op is ReduceOp.SUM:
             return total
@@ -173,10 +176,20 @@ class CompiledReplica:
     def gather_traced(self, value, axis):
         return lax.all_gather(_local_part(value), AXIS, axis=axis, tiled=True)
 
+    def update_component(self, variable, fn, args, kwargs):
+        """``extended.update`` of a SyncOnRead variable with per-replica arguments.
+
+        In a trace each replica updates its own component with its own part.
+        """
+        strategy = self._extended.container_strategy
+        args, kwargs = jax.tree_util.tree_map(_local_part, (args, kwargs), is_leaf=_is_input_leaf)
+        with _context.push(_context.Frame(strategy, self.replica_context, engine=self)):
+            return fn(variable, *args, **kwargs)
+
 
 def _local_part(x):
-    if isinstance(x, DistributedValues) and x._traced is not None:
-        return x._traced.local
+    if isinstance(x, DistributedValues) and x.traced is not None:
+        return x.traced.local
     return x
 
 
@@ -194,17 +207,17 @@ class _Entry:
 
     def __call__(self, dynamic):
         extended = self.extended
-        mirrored = [extended._compute_value(v) for v in self.mirrored]
-        sync_on_read = [v._stacked for v in self.sync_on_read]
+        mirrored = [extended.compute_value(v) for v in self.mirrored]
+        sync_on_read = [v.stored() for v in self.sync_on_read]
         _copy_shared_buffers(mirrored, sync_on_read)
-        foreign = [self.extended._replicate(v.value) for v in self.foreign]
-        new_mirrored, new_sync_on_read, outputs, sums, replicated = self.extended._gated(
+        foreign = [self.extended.placement.replicate(v.value) for v in self.foreign]
+        new_mirrored, new_sync_on_read, outputs, sums, replicated = self.extended.placement.execute(
             self.compiled, mirrored, sync_on_read, foreign, dynamic
         )
         for variable, value in zip(self.mirrored, new_mirrored):
-            variable._value = extended._to_storage(value)
+            extended.store_computed(variable, value)
         for variable, value in zip(self.sync_on_read, new_sync_on_read):
-            variable._stacked = value
+            variable.store(value)
         return self._outputs(outputs, sums, replicated)
 
     def _outputs(self, arrays, sums, replicated):
@@ -219,7 +232,7 @@ class _Entry:
             elif self.stacked_out:
                 value = PerReplica(None, _stacked=next(arrays), _validate=False)
                 if next(has_sum):
-                    value._sum = next(sums)
+                    value.replica_sum = next(sums)
                 leaves.append(value)
             else:
                 leaves.append(next(arrays))
@@ -253,11 +266,11 @@ class CompiledEngine:
         kinds, dynamic, signature, statics = [], [], [], []
         for index, leaf in enumerate(leaves):
             if isinstance(leaf, PerReplica):
-                array, kind = extended._as_stacked(leaf), "r"
+                array, kind = extended.placement.as_stacked(leaf), "r"
             elif isinstance(leaf, DistributedValues):
-                array, kind = extended._replicate(extended._unwrap_mirrored(leaf)), "m"
+                array, kind = extended.placement.replicate(extended.unwrap_mirrored(leaf)), "m"
             elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-                array, kind = extended._replicate(leaf), "m"
+                array, kind = extended.placement.replicate(leaf), "m"
             else:
                 kinds.append(None)
                 statics.append((index, _static_key(leaf)))
@@ -266,11 +279,11 @@ class CompiledEngine:
             dynamic.append(array)
             signature.append((kind, array.shape, array.dtype, getattr(array, "weak_type", False)))
         base_key = (fn, treedef, tuple(statics), tuple(signature))
-        key = base_key + (extended._variable_state().version, len(self._foreign))
+        key = base_key + (extended.variable_state().version, len(self._foreign))
         entry = self._cache.get(key)
         if entry is None:
             entry = self._build(fn, treedef, leaves, kinds, dynamic)
-            key = base_key + (extended._variable_state().version, len(self._foreign))
+            key = base_key + (extended.variable_state().version, len(self._foreign))
             self._cache[key] = entry
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -280,26 +293,26 @@ class CompiledEngine:
 
     def _build(self, fn, treedef, leaves, kinds, dynamic):
         extended = self._extended
-        strategy = extended._container_strategy()
+        strategy = extended.container_strategy
         for _ in range(_MAX_TRACES_PER_SIGNATURE):
-            state = extended._variable_state()
+            state = extended.variable_state()
             mirrored, sync_on_read = state.mirrored, state.sync_on_read
             foreign = list(self._foreign.values())
             record = _Record()
             body = self._body(fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record)
-            stacked_out = extended._num_replicas_in_sync > 1
+            stacked_out = extended.num_replicas_in_sync > 1
             mapped = jax.shard_map(
                 body,
-                mesh=extended._mesh,
+                mesh=extended.placement.mesh,
                 in_specs=(P(), P(AXIS), P(), [P(AXIS) if k == "r" else P() for k in kinds if k]),
                 out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P(), P(), P()),
                 check_vma=False,
             )
             jitted = jax.jit(mapped, donate_argnums=(0, 1))
             traced = jitted.trace(
-                [extended._compute_value(v) for v in mirrored],
-                [v._stacked for v in sync_on_read],
-                [extended._replicate(v.value) for v in foreign],
+                [extended.compute_value(v) for v in mirrored],
+                [v.stored() for v in sync_on_read],
+                [extended.placement.replicate(v.value) for v in foreign],
                 dynamic,
             )
             record.out = record.out + (stacked_out,)
@@ -316,7 +329,7 @@ class CompiledEngine:
 
     def _body(self, fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record):
         extended = self._extended
-        strategy = extended._container_strategy()
+        strategy = extended.container_strategy
 
         def body(mirrored_values, sync_on_read_values, foreign_values, dynamic_values):
             self.trace_count += 1
@@ -357,7 +370,7 @@ class CompiledEngine:
                 else:
                     layout.append(leaf)
             sums = []
-            if extended._num_replicas_in_sync > 1:
+            if extended.num_replicas_in_sync > 1:
                 sums = [lax.psum(a, AXIS) if _reduce_in_program(a) else None for a in arrays]
                 arrays = [a[None] for a in arrays]
             record.out = (out_treedef, layout, [x is not None for x in sums])
@@ -368,18 +381,16 @@ class CompiledEngine:
 
     def _absorb_discoveries(self, strategy, record) -> bool:
         """Takes in variables the trace met for the first time; True to trace again."""
-        from keras_dist._values._variables import DistributedVariable
-
         again = False
         if pending_variables():
             with _context.push(_context.Frame(strategy, None)):
                 initialize_pending_variables()
             again = True
         for variable in record.unmapped.values():
-            if getattr(variable, "_value", None) is None:
+            if not variable_has_value(variable):
                 continue
             if isinstance(variable, DistributedVariable):
-                if variable._distribute_strategy is not strategy:
+                if variable.distribute_strategy is not strategy:
                     raise RuntimeError(
                         "Mixing different tf.distribute.Strategy objects: variable "
                         f"{variable.path!r} was created under another strategy and used "

@@ -20,9 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from keras_dist import _context
+from keras_dist._engine._interface import ReplicaEngine
+from keras_dist._keras import KerasVariable
 from keras_dist._replica_context import ReplicaContext
-from keras_dist._values._distributed_values import DistributedValues
-from keras_dist._values._distributed_values import regroup
+from keras_dist._values import DistributedValues
+from keras_dist._values import regroup
 
 _ABORT = object()
 
@@ -50,9 +52,9 @@ class _ReplicaThread(threading.Thread):
     def run(self):
         self.should_run.wait()
         self.should_run.clear()
-        strategy = self.engine._extended._container_strategy()
+        strategy = self.engine.strategy
         replica = _EagerReplica(self)
-        replica_id = strategy.extended._replica_offset + self.index
+        replica_id = strategy.extended.first_local_replica_id + self.index
         context = ReplicaContext(strategy, replica_id, _engine=replica, _eager_index=self.index)
         try:
             with _context.push(_context.Frame(strategy, context, engine=replica)):
@@ -77,7 +79,7 @@ class _ReplicaThread(threading.Thread):
         return result
 
 
-class _EagerReplica:
+class _EagerReplica(ReplicaEngine):
     compiled = False
 
     def __init__(self, thread):
@@ -123,9 +125,6 @@ class _EagerReplica:
         gathered = self._thread.merge(merge_fn, leaves, {})
         return jax.tree_util.tree_unflatten(treedef, list(gathered))
 
-    def aggregate_sync_on_read(self, variable, local):
-        raise AssertionError("eager replicas read SyncOnRead variables directly")
-
 
 def _refuse_traced(leaves, name):
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -150,12 +149,31 @@ class EagerEngine:
     def __init__(self, extended):
         self._extended = extended
 
+    @property
+    def strategy(self):
+        return self._extended.container_strategy
+
+    def update_components(self, variable, fn, args, kwargs):
+        """``extended.update`` of a SyncOnRead variable with per-replica arguments.
+
+        Applies ``fn`` to each replica's component with that replica's arguments.
+        """
+        strategy = self.strategy
+        results = []
+        for index, device in enumerate(self._extended.local_devices):
+            replica_id = self._extended.first_local_replica_id + index
+            context = ReplicaContext(strategy, replica_id, _eager_index=index)
+            local_args, local_kwargs = _select(index, device, (args, kwargs))
+            with _context.push(_context.Frame(strategy, context)):
+                results.append(fn(variable, *local_args, **local_kwargs))
+        return regroup(results)
+
     def run(self, fn, args, kwargs):
         extended = self._extended
-        strategy = extended._container_strategy()
+        strategy = extended.container_strategy
         threads = []
-        created = [[] for _ in extended._devices]
-        for index, device in enumerate(extended._devices):
+        created = [[] for _ in extended.local_devices]
+        for index, device in enumerate(extended.local_devices):
             local_args, local_kwargs = _select(index, device, (args, kwargs))
             threads.append(
                 _ReplicaThread(self, index, device, fn, local_args, local_kwargs, created)
@@ -233,6 +251,4 @@ def on_device(array, device):
 
 
 def _is_leaf(x):
-    from keras_dist._keras._hooks import KerasVariable
-
     return isinstance(x, (DistributedValues, KerasVariable))

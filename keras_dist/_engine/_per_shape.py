@@ -21,17 +21,18 @@ import functools
 
 import jax
 
-from keras_dist._keras._hooks import keras_update_metrics
-from keras_dist._keras._hooks import overrides_keras_step
+from keras_dist._keras import compute_loss_and_updates
+from keras_dist._keras import keras_update_metrics
+from keras_dist._keras import model_layers
+from keras_dist._keras import overrides_keras_step
+from keras_dist._keras import unpack_x_y_sample_weight as _unpack
+from keras_dist._input import batch_rows
+from keras_dist._values import select_replica
+from keras_dist._values._variables import SyncOnReadVariable
+from keras_dist.layers import SyncBatchNormalization
 
 
-def _unpack(data):
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
-    return data_adapter_utils.unpack_x_y_sample_weight(data)
-
-
-class UnevenSteps:
+class PerShapeSteps:
     """Per-replica compiled steps for batches of unequal per-replica sizes."""
 
     def __init__(self, model, strategy):
@@ -41,9 +42,7 @@ class UnevenSteps:
 
     def supports(self, model) -> bool:
         """Keras's own steps, and no layer that needs the other replicas' rows."""
-        from keras_dist.layers import SyncBatchNormalization
-
-        if any(isinstance(layer, SyncBatchNormalization) for layer in model._flatten_layers()):
+        if any(isinstance(layer, SyncBatchNormalization) for layer in model_layers(model)):
             return False  # its statistics need a collective: the eager engine says so
         return not overrides_keras_step(model)
 
@@ -54,35 +53,26 @@ class UnevenSteps:
 
     def _values(self, variables, index):
         """Each variable's value for replica ``index``, on that replica's device."""
-        values = []
-        for variable in variables:
-            components = getattr(variable, "_local_components", None)
-            if components is not None:
-                values.append(components()[index])
-            else:
-                values.append(variable._component(index))
-        return values
+        return [variable.component(index) for variable in variables]
 
     def _assign_component(self, variables, index, values):
-        from keras_dist._values._variables import SyncOnReadVariable
-
         for variable, value in zip(variables, values):
             if isinstance(variable, SyncOnReadVariable):
-                variable._write_component(index, "assign", value)
+                variable.write_component(index, "assign", value)
             elif index == 0:
                 variable.assign(value)
 
     def train(self, split, global_rows):
         model = self.model
-        n = self.extended._num_local_replicas
+        n = self.extended.num_local_replicas
         grad_step = self._jit("grad", functools.partial(_grad_step, model))
         update_metrics = self._jit("metrics", functools.partial(keras_update_metrics, model))
         apply = self._jit("apply", model.optimizer.stateless_apply)
-        target = self.extended._devices[0]
+        target = self.extended.local_devices[0]
         summed, auxes, datas = None, [], []
         for index in range(n):
-            data = _select(split, index)
-            rows = _rows(data)
+            data = select_replica(index, split)
+            rows = batch_rows(data)
             grads, aux = grad_step(
                 self._values(model.trainable_variables, index),
                 self._values(model.non_trainable_variables, index),
@@ -98,7 +88,7 @@ class UnevenSteps:
             auxes.append(aux)
             datas.append(data)
         # Across processes the other workers' replicas' gradients are added too.
-        summed = self.extended._cross_process_sum(summed)
+        summed = self.extended.placement.cross_process_sum(summed)
         trainable, optimizer_values = apply(
             self._values(model.optimizer.variables, 0),
             summed,
@@ -119,13 +109,13 @@ class UnevenSteps:
     def test(self, split):
         model = self.model
         test_step = self._jit("test", model.test_step)
-        for index in range(self.extended._num_local_replicas):
+        for index in range(self.extended.num_local_replicas):
             state = (
                 self._values(model.trainable_variables, index),
                 self._values(model.non_trainable_variables, index),
                 self._values(model.metrics_variables, index),
             )
-            _, (_, non_trainable, metrics) = test_step(state, _select(split, index))
+            _, (_, non_trainable, metrics) = test_step(state, select_replica(index, split))
             self._assign_component(model.non_trainable_variables, index, non_trainable)
             self._assign_component(model.metrics_variables, index, metrics)
         return model.get_metrics_result()
@@ -135,7 +125,8 @@ def _grad_step(model, trainable, non_trainable, metrics, optimizer_values, data,
     x, y, sample_weight = _unpack(data)
 
     def loss_fn(trainable):
-        loss, aux = model.compute_loss_and_updates(
+        loss, aux = compute_loss_and_updates(
+            model,
             trainable,
             non_trainable,
             metrics,
@@ -149,18 +140,3 @@ def _grad_step(model, trainable, non_trainable, metrics, optimizer_values, data,
 
     (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
     return grads, aux
-
-
-def _select(split, index):
-    from keras_dist._values._distributed_values import PerReplica
-
-    return jax.tree_util.tree_map(
-        lambda v: v.values[index] if isinstance(v, PerReplica) else v,
-        split,
-        is_leaf=lambda v: isinstance(v, PerReplica),
-    )
-
-
-def _rows(data) -> int:
-    leaves = [x for x in jax.tree_util.tree_leaves(data) if jax.numpy.ndim(x) > 0]
-    return int(leaves[0].shape[0])

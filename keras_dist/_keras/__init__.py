@@ -1,1 +1,46 @@
-"""_keras"""
+"""Everything in keras_dist that touches Keras internals.
+
+``_internals`` imports every private Keras symbol we use and checks them when
+keras_dist is imported; the other modules are the hooks, one concern each:
+variables (creation policy), scopes (state threading), optimizer, trainer,
+layers, saving, and the pieces of Keras's train step (``_model``).
+"""
+
+from keras_dist._keras._internals import KerasVariable as KerasVariable
+from keras_dist._keras._internals import KerasVersionError as KerasVersionError
+from keras_dist._keras._internals import check as check_keras_internals
+from keras_dist._keras._layers import building_batch_norm as building_batch_norm
+from keras_dist._keras._layers import install_layer_hooks
+from keras_dist._keras._model import compute_loss_and_updates as compute_loss_and_updates
+from keras_dist._keras._model import keras_update_metrics as keras_update_metrics
+from keras_dist._keras._model import model_layers as model_layers
+from keras_dist._keras._model import optimizer_trainable_variables as optimizer_trainable_variables
+from keras_dist._keras._model import overrides_keras_step as overrides_keras_step
+from keras_dist._keras._model import set_initial_epoch as set_initial_epoch
+from keras_dist._keras._model import unpack_x_y_sample_weight as unpack_x_y_sample_weight
+from keras_dist._keras._optimizer import install_optimizer_hook
+from keras_dist._keras._saving import install_saving_hook
+from keras_dist._keras._scopes import RecordingScope as RecordingScope
+from keras_dist._keras._scopes import current_mapping as current_mapping
+from keras_dist._keras._scopes import current_scope as current_scope
+from keras_dist._keras._scopes import initialize_pending_variables as initialize_pending_variables
+from keras_dist._keras._scopes import pending_variables as pending_variables
+from keras_dist._keras._trainer import TrainingIntegration as TrainingIntegration
+from keras_dist._keras._trainer import compiled_under as compiled_under
+from keras_dist._keras._trainer import install_trainer_hook
+from keras_dist._keras._variables import StrategyDistribution as StrategyDistribution
+from keras_dist._keras._variables import install_variable_hook
+from keras_dist._keras._variables import make_per_replica_statistic as make_per_replica_statistic
+from keras_dist._keras._variables import set_variable_class as set_variable_class
+from keras_dist._keras._variables import share_variable_state as share_variable_state
+from keras_dist._keras._variables import variable_has_value as variable_has_value
+
+
+def install_hooks(training: TrainingIntegration, apply_in_replica_context) -> None:
+    """Installs every hook (once): variables, optimizer, trainer, layers, saving."""
+    check_keras_internals()
+    install_variable_hook()
+    install_optimizer_hook(apply_in_replica_context)
+    install_trainer_hook(training)
+    install_layer_hooks()
+    install_saving_hook()

@@ -1,55 +1,101 @@
-"""A Keras optimizer's ``apply`` called inside a replica: the tf.distribute pattern.
+"""Keras optimizers in a replica: ``apply`` becomes the tf.distribute pattern.
 
-``merge_call`` gathers every replica's gradients, ``batch_reduce_to(SUM)`` sums
-them in one fused reduction, and the optimizer's own ``apply`` then runs once,
-in the cross-replica context, on the summed gradients: gradient clipping,
-loss scaling and the iteration counter see the aggregated values, once.
+``BaseOptimizer.apply`` called inside ``strategy.run`` is handed to the
+replica-side implementation given to ``install_optimizer_hook`` (``merge_call``
+-> ``batch_reduce_to(SUM)`` -> the optimizer's own ``apply`` once). Keras's
+``LossScaleOptimizer`` is made to decide on the summed gradients, as TF's does.
 """
 
-from keras_dist._engine._eager import on_device
-from keras_dist._keras._hooks import RecordingScope
-from keras_dist._keras._hooks import get_stateless_scope
+import functools
+
+from keras import ops
+
+from keras_dist._keras._internals import BaseOptimizer
+from keras_dist._keras._internals import LossScaleOptimizer
 from keras_dist._reduce_op import ReduceOp
+from keras_dist._replica_context import running_replica_context
+
+_original_apply = BaseOptimizer.apply
 
 
-def apply_in_replica_context(replica_context, original_apply, optimizer, grads, variables):
-    """Called by the hook in ``_keras_hooks`` for ``optimizer.apply`` in a replica."""
-    grads = list(grads)
-    if variables is None:
-        variables = optimizer._trainable_variables
-    variables = list(variables)
-    present = [i for i, g in enumerate(grads) if g is not None]
-    # ``stateless_apply`` runs ``apply`` inside the replica's StatelessScope. Eager
-    # replicas are threads, and the merge runs on the calling thread, outside
-    # that scope: it gets the scope's values and hands the updates back to it.
-    scope = get_stateless_scope() if replica_context._eager_index is not None else None
+def install_optimizer_hook(apply_in_replica_context) -> None:
+    """Routes ``optimizer.apply`` in a replica context to ``apply_in_replica_context``.
 
-    def merge_fn(strategy, present_grads, scopes):
-        reduced = strategy.extended.batch_reduce_to(
-            ReduceOp.SUM, [(g, variables[i]) for g, i in zip(present_grads, present)]
+    It is called as ``apply_in_replica_context(replica_context, original_apply,
+    optimizer, grads, trainable_variables)``.
+    """
+    if getattr(BaseOptimizer.apply, "_keras_dist_hook", False):
+        return
+
+    @functools.wraps(_original_apply)
+    def apply(self, grads, trainable_variables=None):
+        replica_context = running_replica_context()
+        if replica_context is None:
+            return _original_apply(self, grads, trainable_variables)
+        return apply_in_replica_context(
+            replica_context, _original_apply, self, grads, trainable_variables
         )
-        summed = [None] * len(grads)
-        for i, value in zip(present, reduced):
-            summed[i] = strategy.extended._unwrap_mirrored(value)
 
-        def apply(_, summed):
-            return original_apply(optimizer, summed, variables)
-
-        if scopes is None:
-            return strategy.extended.update(variables, apply, args=(summed,))
-        return _apply_for_stateless_scopes(strategy, apply, variables, summed, scopes)
-
-    return replica_context.merge_call(merge_fn, args=([grads[i] for i in present], scope))
+    apply._keras_dist_hook = True
+    BaseOptimizer.apply = apply
+    _install_loss_scale_hook()
 
 
-def _apply_for_stateless_scopes(strategy, apply, variables, summed, scopes):
-    scopes = strategy.experimental_local_results(scopes)
-    extended = strategy.extended
-    mapping = {key: extended._replicate(value) for key, value in scopes[0].state_mapping.items()}
-    with RecordingScope(mapping) as recording:
-        extended.update(variables, apply, args=(summed,))
-    for index, replica_scope in enumerate(scopes):
-        device = extended._devices[index]
-        for variable in recording.assigned.values():
-            value = recording.state_mapping[id(variable)]
-            replica_scope.add_update((variable, on_device(value, device)))
+def _install_loss_scale_hook() -> None:
+    """Makes ``LossScaleOptimizer``'s finite-gradient test agree across replicas.
+
+    Keras's ``LossScaleOptimizer.stateless_apply`` tests the replica's own
+    gradients, then branches (``ops.cond``) into a branch that calls the inner
+    optimizer's ``apply`` (a ``merge_call`` with collectives) or one that only
+    halves the scale. When one replica overflowed and another did not, the
+    replicas took different branches and the collectives never met (XLA aborts
+    the process). TF tests the summed gradients; a gradient sum is finite when
+    every replica's is, so the replicas combine their verdicts.
+    """
+    original = LossScaleOptimizer.check_finite
+    if getattr(original, "_keras_dist_hook", False):
+        return
+
+    @functools.wraps(original)
+    def check_finite(self, grads):
+        finite = original(self, grads)
+        replica_context = running_replica_context()
+        if replica_context is None:
+            return finite
+        non_finite = ops.cast(ops.logical_not(finite), "float32")
+        return ops.equal(replica_context.all_reduce(ReduceOp.SUM, non_finite), 0)
+
+    check_finite._keras_dist_hook = True
+    LossScaleOptimizer.check_finite = check_finite
+    LossScaleOptimizer.stateless_apply = _merged_stateless_apply(LossScaleOptimizer.stateless_apply)
+
+
+def _merged_stateless_apply(original):
+    """``LossScaleOptimizer.stateless_apply`` in a replica: sum first, then decide, as TF.
+
+    TF's loss-scale optimizer reduces the gradients in a ``merge_call`` and runs
+    its finite test and update once, in the cross-replica context. Keras's tests
+    and branches (``ops.cond``) per replica, with the inner optimizer's
+    ``merge_call`` inside a traced branch, which eager replicas cannot share.
+    """
+
+    @functools.wraps(original)
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        replica_context = running_replica_context()
+        if replica_context is None:
+            return original(self, optimizer_variables, grads, trainable_variables)
+
+        def merge_fn(strategy, optimizer_variables, grads, trainable_variables):
+            extended = strategy.extended
+            summed = extended.batch_reduce_to(ReduceOp.SUM, [(g, g) for g in grads])
+            grads = [extended.unwrap_mirrored(g) for g in summed]
+            optimizer_variables = [extended.one_value(v) for v in optimizer_variables]
+            trainable_variables = [extended.one_value(v) for v in trainable_variables]
+            new = original(self, optimizer_variables, grads, trainable_variables)
+            return extended.for_every_replica(new)
+
+        return replica_context.merge_call(
+            merge_fn, args=(optimizer_variables, grads, trainable_variables)
+        )
+
+    return stateless_apply

@@ -13,7 +13,7 @@ from keras_dist._launch._errors import (
 from keras_dist._launch._errors import WorkerError as WorkerError
 from keras_dist._launch._launcher import launch as launch
 from keras_dist._launch._runner import MultiProcessRunner as MultiProcessRunner
-from keras_dist._launch._runner import TaskStatus as TaskStatus
+from keras_dist._launch._task_slot import TaskStatus as TaskStatus
 
 __all__ = [
     "MultiProcessRunner",

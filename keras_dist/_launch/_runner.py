@@ -12,7 +12,6 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import NamedTuple
 
 from keras_dist._launch import _process
 from keras_dist._launch._cluster import task_keys
@@ -24,56 +23,11 @@ from keras_dist._launch._errors import format_logs
 from keras_dist._launch._errors import remote_error
 from keras_dist._launch._program import FunctionProgram
 from keras_dist._launch._program import ScriptProgram
+from keras_dist._launch._task_slot import TaskSlot
+from keras_dist._launch._task_slot import TaskStatus
 
 _CHIEF = ("chief", 0)
 _POLL_INTERVAL = 0.05
-
-
-class TaskStatus(NamedTuple):
-    """One task's state, from ``MultiProcessRunner.process_status()``.
-
-    ``state`` is ``"not started"``, ``"running"``, ``"succeeded"``, ``"failed"`` or
-    ``"terminated"`` (stopped by the runner or by you); ``exit_code`` is negative when a
-    signal ended the process; ``restarts`` counts automatic and manual restarts.
-    """
-
-    state: str
-    exit_code: int | None
-    pid: int | None
-    restarts: int
-
-
-class _Slot:
-    """The runner's record of one task, across its restarts."""
-
-    def __init__(self, process: _process.TaskProcess):
-        self.process = process
-        self.starts = 0
-        self.exit_code = None
-        self.outcome = None
-        # Stopped by the runner or the user: neither a failure nor restarted.
-        self.stopped = False
-        self.failed_at = None
-
-    @property
-    def started(self) -> bool:
-        return self.starts > 0
-
-    @property
-    def returned(self) -> bool:
-        return self.outcome is not None and self.outcome.returned
-
-    @property
-    def state(self) -> str:
-        if not self.started:
-            return "not started"
-        if self.exit_code is None:
-            return "running"
-        if self.failed_at is not None:
-            return "failed"
-        if self.stopped and not self.returned:
-            return "terminated"
-        return "succeeded"
 
 
 class MultiProcessRunner:
@@ -170,7 +124,7 @@ class MultiProcessRunner:
         log_dir = log_dir or self._workdir
         os.makedirs(log_dir, exist_ok=True)
         self._slots = {
-            key: _Slot(
+            key: TaskSlot(
                 _process.TaskProcess(
                     *key, os.path.join(log_dir, f"{key[0]}-{key[1]}.log"), stream_output
                 )
@@ -398,7 +352,7 @@ class MultiProcessRunner:
             slot.failed_at = now
             self._stop_rest(now)
 
-    def _may_restart(self, slot: _Slot) -> bool:
+    def _may_restart(self, slot: TaskSlot) -> bool:
         return (
             self._auto_restart
             and not self._stopping

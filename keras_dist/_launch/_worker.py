@@ -19,6 +19,8 @@ import threading
 import time
 import traceback
 
+import cloudpickle
+
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the call of ``argv = [call_file, result_file]``; returns the exit code."""
@@ -53,8 +55,6 @@ def _leave_cluster_now() -> None:
 
 def _call(call: bytes) -> dict:
     try:
-        import cloudpickle
-
         fn, args, kwargs = cloudpickle.loads(call)
         value = fn(*args, **kwargs)
     except SystemExit:
@@ -76,8 +76,6 @@ def _call(call: bytes) -> dict:
 
 
 def _failure(error: BaseException) -> dict:
-    import cloudpickle
-
     try:
         pickled = cloudpickle.dumps(error)
     except Exception:

@@ -18,26 +18,28 @@ every replica through ``strategy.run``:
   every metric (AUC, Precision, ...) equal one device's. ``predict`` pads the
   batch and drops the padding: one output row per input row.
 
-Keras's trainer is reached only through ``_keras_hooks.install_trainer_hook``.
+Keras's trainer reaches these steps through the hooks in ``_keras._trainer``.
 """
 
 import jax
 import numpy as np
 
 from keras_dist import _context
-from keras_dist._engine._compiled import ReplicatedOutput
-from keras_dist._engine._per_shape import UnevenSteps
-from keras_dist._input._dataset import _GlobalBatchSplitter
-from keras_dist._values._distributed_values import PerReplica
+from keras_dist._engine import PerShapeSteps
+from keras_dist._engine import ReplicatedOutput
+from keras_dist._input import GlobalBatchSplitter
+from keras_dist._input import batch_rows
+from keras_dist._keras import compiled_under
+from keras_dist._values import PerReplica
+from keras_dist._values._variables import DistributedVariable
+from keras_dist._values._variables import MirroredVariable
 
 
 def model_strategy(model):
     """The strategy a model was created (or compiled) under, or ``None``."""
-    from keras_dist._values._variables import DistributedVariable
-
-    recorded = getattr(model, "_keras_dist_strategy", None)
+    recorded = compiled_under(model)
     strategies = {
-        id(v._distribute_strategy): v._distribute_strategy
+        id(v.distribute_strategy): v.distribute_strategy
         for v in model.variables
         if isinstance(v, DistributedVariable)
     }
@@ -64,10 +66,8 @@ def model_strategy(model):
 
 def check_fit_context(model):
     """Raises when a model built outside any strategy is trained inside a scope."""
-    current = _context.get_strategy()
-    from keras_dist.strategies._default import is_default_strategy
-
-    if not is_default_strategy(current):
+    if _context.has_strategy():
+        current = _context.get_strategy()
         raise ValueError(
             f"This model was created outside any strategy scope, but `fit`, `evaluate` "
             f"or `predict` was called inside `{current!r}.scope()`. Create the model "
@@ -76,15 +76,10 @@ def check_fit_context(model):
         )
 
 
-def _rows(data) -> int:
-    leaves = [x for x in jax.tree_util.tree_leaves(data) if np.ndim(x) > 0]
-    return int(np.shape(leaves[0])[0])
-
-
 def _replicated_logs(logs):
     """Logs are read from aggregated metrics: the same on every replica, returned once."""
     replica_context = _context.current_frame().replica_context
-    if replica_context is None or replica_context._eager_index is not None:
+    if replica_context is None or replica_context.eager_index is not None:
         return logs
     return jax.tree_util.tree_map(ReplicatedOutput, logs)
 
@@ -102,9 +97,9 @@ class DistributedSteps:
     def __init__(self, model, strategy):
         self.model = model
         self.strategy = strategy
-        self._split = _GlobalBatchSplitter(strategy.extended, on_host=True)
+        self._split = GlobalBatchSplitter(strategy.extended, on_host=True)
         self._predict_rows = None
-        self._uneven = UnevenSteps(model, strategy)
+        self._uneven = PerShapeSteps(model, strategy)
 
     # Keras's loops call ``fn(state, iterator)`` and unpack ``(logs, state)``;
     # our state lives in the variables, so ``state`` passes through untouched.
@@ -132,7 +127,7 @@ class DistributedSteps:
     def _run(self, fn, *args):
         """``strategy.run``; eagerly when the model was compiled with ``run_eagerly=True``."""
         if self.model.run_eagerly or not self.model.jit_compile:
-            return self.strategy.extended._eager.run(fn, args, {})
+            return self.strategy.extended.call_for_each_replica(fn, args, {}, eagerly=True)
         return self.strategy.run(fn, args=args)
 
     def _loop(self, step, iterator):
@@ -143,7 +138,7 @@ class DistributedSteps:
 
     # ------------------------------------------------------------------ train
     def _train_batch(self, data):
-        rows = _rows(data)
+        rows = batch_rows(data)
         split = self._split(data)
         if self._is_uneven(split):
             return self._uneven.train(split, rows)
@@ -164,7 +159,7 @@ class DistributedSteps:
             [v.value for v in model.optimizer.variables],
             [v.value for v in model.metrics_variables],
         )
-        scale = _rows(data) / global_rows
+        scale = batch_rows(data) / global_rows
         with _scaled_loss(model.optimizer, scale):
             logs, new_state = model.train_step(state, data)
         _assign(model.trainable_variables, new_state[0])
@@ -203,9 +198,9 @@ class DistributedSteps:
 
     # ---------------------------------------------------------------- predict
     def _predict_batch(self, data):
-        rows = _rows(data)
+        rows = batch_rows(data)
         extended = self.strategy.extended
-        n = extended._num_replicas_in_sync
+        n = extended.num_replicas_in_sync
         # Pad to the first batch's size (one compiled program for every batch,
         # the last included), rounded up to a multiple of the replica count.
         if self._predict_rows is None or rows > self._predict_rows:
@@ -232,7 +227,7 @@ class DistributedSteps:
 
 def _had_uneven(per_replica_logs) -> bool:
     return any(
-        isinstance(v, PerReplica) and v._stacked is None
+        isinstance(v, PerReplica) and v.stacked is None
         for v in jax.tree_util.tree_leaves(
             per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)
         )
@@ -248,8 +243,8 @@ def _pad_rows(x, rows):
 
 def _concatenate_replicas(extended, value):
     if isinstance(value, PerReplica):
-        if value._stacked is not None:
-            stacked = np.asarray(extended._all_rows(value._stacked))
+        if value.stacked is not None:
+            stacked = np.asarray(extended.placement.all_rows(value.stacked))
             return stacked.reshape((-1,) + stacked.shape[2:])
         return np.concatenate([np.asarray(c) for c in value.values])
     return np.asarray(value)
@@ -263,11 +258,9 @@ def _assign(variables, values):
     value, so it is written as it is, without the aggregation a replica's own
     write would get (an ``only_first_replica`` counter would cost a collective).
     """
-    from keras_dist._values._variables import MirroredVariable
-
     for variable, value in zip(variables, values):
         if isinstance(variable, MirroredVariable):
-            variable._plain_write("assign", value)
+            variable.plain_write("assign", value)
         else:
             variable.assign(value)
 

@@ -9,8 +9,8 @@ as TF's tape gives them; the optimizer sums them across replicas.
 
 import jax
 
-from keras_dist._keras._hooks import RecordingScope
-from keras_dist._keras._hooks import current_mapping
+from keras_dist._keras import RecordingScope
+from keras_dist._keras import current_mapping
 
 
 def value_and_grad(loss_fn, variables, has_aux: bool = False):

@@ -19,6 +19,7 @@ import operator
 from typing import Any
 
 import jax
+import keras
 import numpy as np
 
 
@@ -59,11 +60,50 @@ class DistributedValues:
                 self._components = unstack(self._stacked)
         return self._components
 
+    # The storage forms, read by the engines and the input pipeline.
+    @property
+    def stacked(self):
+        """The components as one ``(num_replicas, ...)`` array split on the mesh, or ``None``."""
+        return self._stacked
+
+    @property
+    def replicated(self):
+        """A ``Mirrored`` value's one array replicated on the mesh, or ``None``."""
+        return self._replicated
+
+    @property
+    def traced(self):
+        """Inside a compiled ``merge_call``: the calling replica's traced component, or ``None``."""
+        return self._traced
+
+    @property
+    def components(self):
+        """The local components when held one per device, else ``None`` (see ``values``)."""
+        return self._components
+
+    @property
+    def replica_sum(self):
+        """The replicas' sum, when the compiled step computed it; else ``None``."""
+        return self._sum
+
+    @replica_sum.setter
+    def replica_sum(self, value):
+        self._sum = value
+
+    @property
+    def uneven_across_processes(self) -> bool:
+        """Across processes: whether the replicas' shapes differ somewhere, maybe not here."""
+        return self._uneven_across_processes
+
+    @uneven_across_processes.setter
+    def uneven_across_processes(self, value: bool):
+        self._uneven_across_processes = value
+
     @property
     def _primary(self):
         return self.values[0]
 
-    def _local(self):
+    def local(self):
         """The calling replica's component inside a compiled ``merge_call``."""
         return self._traced.local
 
@@ -215,8 +255,6 @@ def replicated_components(array: jax.Array) -> tuple:
     return tuple(by_device[d] for d in array.sharding.mesh.devices.flat if d in by_device)
 
 
-def is_distributed(value: Any) -> bool:
-    return isinstance(value, DistributedValues)
 
 
 def select_replica(replica_id: int, structure):
@@ -224,7 +262,7 @@ def select_replica(replica_id: int, structure):
     return jax.tree_util.tree_map(
         lambda x: x.values[replica_id] if isinstance(x, DistributedValues) else x,
         structure,
-        is_leaf=is_distributed,
+        is_leaf=lambda x: isinstance(x, DistributedValues),
     )
 
 
@@ -264,6 +302,4 @@ def _is_leaf(x):
 
 
 def _is_keras_variable(x):
-    from keras.src.backend.common.variables import Variable
-
-    return isinstance(x, Variable)
+    return isinstance(x, keras.Variable)

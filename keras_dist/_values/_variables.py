@@ -21,63 +21,76 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
-from keras.src.backend import Variable as BackendVariable
 
 from keras_dist import _context
-from keras_dist._keras._hooks import KerasVariable
-from keras_dist._keras._hooks import get_stateless_scope
+from keras_dist._keras import KerasVariable
+from keras_dist._keras import RecordingScope
+from keras_dist._keras import current_scope
+from keras_dist._replica_context import running_replica_context
 from keras_dist._values._distributed_values import DistributedValues
 from keras_dist._values._distributed_values import PerReplica
+from keras_dist._values._distributed_values import unstack
 
 
-class DistributedVariable(BackendVariable):
+class DistributedVariable(keras.Variable):
     """Base of the variables a strategy creates. Not constructed directly."""
 
     _distribute_strategy = None
-    # Across processes: the first value is still this process's own (see
-    # ``MeshExtended._sync_initial_values``).
-    _keras_dist_unsynced = False
+    # Across processes: the first value is still this process's own, until the
+    # strategy's variable registry gives every process worker 0's.
+    awaiting_first_value_sync = False
 
     @property
     def distribute_strategy(self):
         """The strategy whose scope created this variable."""
         return self._distribute_strategy
 
+    def attach_to(self, strategy) -> None:
+        """Records the strategy that created this variable (its policy calls this)."""
+        self._distribute_strategy = strategy
+
+    def stored(self):
+        """The value as the strategy stores it (``None`` before Keras stores the first)."""
+        return self._value
+
+    def store(self, value) -> None:
+        """Replaces the stored value (the engines write a program's new values here)."""
+        self._value = value
+
     def _direct_assign(self, value):
-        extended = getattr(self._distribute_strategy, "extended", None)
-        if getattr(extended, "_multi_process", False) and not isinstance(value, jax.core.Tracer):
+        extended = self._distribute_strategy.extended
+        if extended.spans_processes and not isinstance(value, jax.core.Tracer):
             # Keras would ``device_put`` onto the global mesh, which first checks
             # with a collective that every process passes the same value.
-            self._value = extended._put(value, self._layout)
+            self._value = extended.placement.put(value, self._layout)
             return
         super()._direct_assign(value)
 
     def _sync_if_needed(self):
         # Not while something is traced (a variable created in a trace is read
         # before it is threaded): the engine syncs before it builds a program.
-        if self._keras_dist_unsynced and _context.current_frame().engine is None:
-            if get_stateless_scope() is None:
-                self._distribute_strategy.extended._sync_initial_values()
+        if self.awaiting_first_value_sync and _context.current_frame().engine is None:
+            if current_scope() is None:
+                self._distribute_strategy.extended.sync_initial_values()
 
-    def _scope_value(self):
-        scope = get_stateless_scope()
+    def scope_value(self):
+        """This variable's value in the current stateless scope, if one maps it."""
+        scope = current_scope()
         if scope is not None:
             return scope.get_current_value(self)
         return None
 
     def _replica_context(self):
-        replica_context = _context.current_frame().replica_context
-        if replica_context is None or replica_context._is_default:
-            return None
-        return replica_context
+        return running_replica_context()
 
     def _in_keras_stateless_code(self):
         """Keras's own stateless code (symbolic builds, ``stateless_call``) outside our engines.
 
         It only records updates in its scope; aggregation rules do not apply.
         """
-        return get_stateless_scope() is not None and _context.current_frame().engine is None
+        return current_scope() is not None and _context.current_frame().engine is None
 
     def _deferred(self, kind, value):
         """Inside ``value_and_grad``: write locally now, aggregate after the gradient.
@@ -85,8 +98,8 @@ class DistributedVariable(BackendVariable):
         Collectives cannot run on values being differentiated in the eager
         engine, and deferring keeps TF's order of writes in both engines.
         """
-        scope = get_stateless_scope()
-        writes = getattr(scope, "deferred_writes", None)
+        scope = current_scope()
+        writes = scope.deferred_writes if isinstance(scope, RecordingScope) else None
         if writes is None or self._replica_context() is None:
             return False
         writes.append((self, kind, value))
@@ -101,7 +114,7 @@ class DistributedVariable(BackendVariable):
     def assign_sub(self, value):
         return self._write("assign_sub", value)
 
-    def _plain_write(self, kind, value):
+    def plain_write(self, kind, value):
         """The write itself, in whatever state the surrounding code set up."""
         if kind == "assign_add":
             value = self.value + value
@@ -123,20 +136,21 @@ class MirroredVariable(DistributedVariable):
 
     @property
     def value(self):
-        value = self._scope_value()
+        value = self.scope_value()
         if value is not None:
             return self._maybe_autocast(value)
         replica_context = self._replica_context()
-        if replica_context is not None and replica_context._eager_index is not None:
-            return self._maybe_autocast(self._component(replica_context._eager_index))
+        if replica_context is not None and replica_context.eager_index is not None:
+            return self._maybe_autocast(self.component(replica_context.eager_index))
         self._sync_if_needed()
         return super().value
 
-    def _component(self, index):
+    def component(self, index):
+        """Replica ``index``'s copy of the value, on that replica's device."""
         cached = getattr(self, "_components_cache", None)
         if cached is None or cached[0] is not self._value:
             by_device = {s.device: s.data for s in self._value.addressable_shards}
-            devices = self._distribute_strategy.extended._devices
+            devices = self._distribute_strategy.extended.local_devices
             stored = self._value.addressable_data(0)
             # Centrally stored variables are copied to each replica's device.
             components = [
@@ -148,10 +162,10 @@ class MirroredVariable(DistributedVariable):
 
     def _write(self, kind, value):
         if self._deferred(kind, value) or self._in_keras_stateless_code():
-            return self._plain_write(kind, value)
+            return self.plain_write(kind, value)
         replica_context = self._replica_context()
         if replica_context is not None:
-            return replica_context._update_on_write(self, kind, value)
+            return replica_context.update_on_write(self, kind, value)
         if isinstance(value, PerReplica):
             raise ValueError(
                 f"A MirroredVariable holds one value for every replica and cannot be "
@@ -159,8 +173,8 @@ class MirroredVariable(DistributedVariable):
                 "`strategy.reduce`, or create the variable with "
                 "synchronization='on_read'. Received: " + repr(value)
             )
-        value = self._distribute_strategy.extended._unwrap_mirrored(value)
-        return self._plain_write(kind, value)
+        value = self._distribute_strategy.extended.unwrap_mirrored(value)
+        return self.plain_write(kind, value)
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -183,7 +197,7 @@ class SyncOnReadVariable(DistributedVariable):
         if self._stacked is None:
             return None
         if self.aggregation in ("none", "only_first_replica"):
-            return self._local_components()[0]
+            return self.local_components()[0]
         return self._aggregated()
 
     @_value.setter
@@ -191,20 +205,20 @@ class SyncOnReadVariable(DistributedVariable):
         if value is None:
             self._stacked = None
             return
-        self._stacked = self._distribute_strategy.extended._broadcast_stacked(value)
+        self._stacked = self._distribute_strategy.extended.placement.broadcast_stacked(value)
 
     @property
     def value(self):
         frame = _context.current_frame()
-        value = self._scope_value()
+        value = self.scope_value()
         if value is not None:
             if frame.replica_context is None and frame.engine is not None:
                 value = frame.engine.aggregate_sync_on_read(self, value)
             return self._maybe_autocast(value)
         replica_context = self._replica_context()
-        if replica_context is not None and replica_context._eager_index is not None:
-            index = replica_context._eager_index
-            return self._maybe_autocast(self._local_components()[index])
+        if replica_context is not None and replica_context.eager_index is not None:
+            index = replica_context.eager_index
+            return self._maybe_autocast(self.local_components()[index])
         if self._stacked is None:
             return super().value
         self._sync_if_needed()
@@ -221,11 +235,21 @@ class SyncOnReadVariable(DistributedVariable):
             )
         return self._maybe_autocast(self._aggregated())
 
-    def _local_components(self):
+    def stored(self):
+        """The ``(num_replicas, *shape)`` components, split over the replicas."""
+        return self._stacked
+
+    def store(self, value) -> None:
+        self._stacked = value
+
+    def component(self, index):
+        """Replica ``index``'s component, on that replica's device."""
+        return self.local_components()[index]
+
+    def local_components(self):
+        """This process's replicas' components, in replica order."""
         cached = getattr(self, "_components_cache", None)
         if cached is None or cached[0] is not self._stacked:
-            from keras_dist._values._distributed_values import unstack
-
             cached = (self._stacked, list(unstack(self._stacked)))
             self._components_cache = cached
         return cached[1]
@@ -233,7 +257,7 @@ class SyncOnReadVariable(DistributedVariable):
     def _aggregated(self):
         cached = getattr(self, "_aggregate_cache", None)
         if cached is None or cached[0] is not self._stacked:
-            reduced = self._distribute_strategy.extended._reduce_stacked(
+            reduced = self._distribute_strategy.extended.reduce_stacked(
                 self.aggregation, self._stacked
             )
             if isinstance(reduced, jax.core.Tracer):
@@ -244,16 +268,16 @@ class SyncOnReadVariable(DistributedVariable):
 
     def _write(self, kind, value):
         if self._deferred(kind, value) or self._in_keras_stateless_code():
-            return self._plain_write(kind, value)
+            return self.plain_write(kind, value)
         frame = _context.current_frame()
         replica_context = self._replica_context()
         if isinstance(value, DistributedValues) and not isinstance(value, PerReplica):
-            value = self._distribute_strategy.extended._unwrap_mirrored(value)
+            value = self._distribute_strategy.extended.unwrap_mirrored(value)
         if replica_context is not None:
-            if replica_context._eager_index is not None and self._scope_value() is None:
-                return self._write_component(replica_context._eager_index, kind, value)
+            if replica_context.eager_index is not None and self.scope_value() is None:
+                return self.write_component(replica_context.eager_index, kind, value)
             # The replica's component, where its code keeps it (a stateless scope).
-            return self._plain_write(kind, value)
+            return self.plain_write(kind, value)
         if isinstance(value, PerReplica):
             return self._distribute_strategy.extended.update(
                 self, lambda v, x: getattr(v, kind)(x), args=(value,)
@@ -266,29 +290,30 @@ class SyncOnReadVariable(DistributedVariable):
             )
         if self.aggregation == "sum":
             value = jnp.asarray(value, self.dtype) / self._distribute_strategy.num_replicas_in_sync
-        local = self._scope_value() if frame.engine is not None else None
+        local = self.scope_value() if frame.engine is not None else None
         if local is not None:
             # Cross-replica code inside a compiled trace: this replica's component.
             if kind != "assign":
                 value = local + value if kind == "assign_add" else local - value
             return KerasVariable.assign(self, value)
         if kind == "assign":
-            self._stacked = self._distribute_strategy.extended._broadcast_stacked(
+            self._stacked = self._distribute_strategy.extended.placement.broadcast_stacked(
                 jnp.asarray(value, self.dtype)
             )
         else:
             sign = 1 if kind == "assign_add" else -1
             components = [
-                c + sign * jnp.asarray(value, self.dtype) for c in self._local_components()
+                c + sign * jnp.asarray(value, self.dtype) for c in self.local_components()
             ]
             self._set_components(components)
         return value
 
     _write_lock = threading.Lock()
 
-    def _write_component(self, index, kind, value):
+    def write_component(self, index, kind, value):
+        """Writes replica ``index``'s component (``assign``, ``assign_add`` or ``assign_sub``)."""
         with self._write_lock:
-            components = list(self._local_components())
+            components = list(self.local_components())
             current = components[index]
             if kind == "assign_add":
                 value = current + value
@@ -305,21 +330,16 @@ class SyncOnReadVariable(DistributedVariable):
         return value
 
     def _set_components(self, components):
-        self._stacked = self._distribute_strategy.extended._stack_components(components)
-
-    def _components_for_update(self):
-        return self._local_components()
+        self._stacked = self._distribute_strategy.extended.placement.stack_components(components)
 
 
-def is_distributed_variable(value) -> bool:
-    return isinstance(value, DistributedVariable)
 
 
 def numpy_components(variable) -> list:
     """The per-replica components of a variable as NumPy arrays (for tests)."""
     if isinstance(variable, SyncOnReadVariable):
-        return [np.asarray(c) for c in variable._local_components()]
+        return [np.asarray(c) for c in variable.local_components()]
     if isinstance(variable, MirroredVariable):
-        n = variable._distribute_strategy.extended._num_local_replicas
-        return [np.asarray(variable._component(i)) for i in range(n)]
+        n = variable.distribute_strategy.extended.num_local_replicas
+        return [np.asarray(variable.component(i)) for i in range(n)]
     return [np.asarray(variable.value)]

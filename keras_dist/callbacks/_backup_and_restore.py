@@ -22,7 +22,8 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._training._steps import model_strategy
+from keras_dist._keras import set_initial_epoch
+from keras_dist._training import model_strategy
 from keras_dist.callbacks import _preemption
 from keras_dist.callbacks import _role
 from keras_dist.callbacks import _training_state
@@ -176,13 +177,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         _SkipTrainedBatches.remove_from(model)
         self._resume = None
         self._batches_since_save = 0
-        model._initial_epoch = None
+        set_initial_epoch(model, None)
         restored = _training_state.load(
             model, self._chief_dir, double_checkpoint=self.double_checkpoint
         )
         _check_same_resume_point(model, restored)
         if restored is not None:
-            model._initial_epoch = restored.epoch
+            set_initial_epoch(model, restored.epoch)
             self._batches_since_save = restored.batches_since_save
             if restored.batch > 0:
                 self._resume = restored
@@ -253,7 +254,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         model = self.model
         _SkipTrainedBatches.remove_from(model)
         self._skipper = None
-        model._initial_epoch = None
+        set_initial_epoch(model, None)
         if self.delete_checkpoint:
             # Nobody may still be reading the backup when the chief deletes it.
             _barrier(model, "keras_dist.BackupAndRestore.delete")
@@ -269,7 +270,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 def _multi_process_extended(model):
     """The model's multi-process strategy's extended API, or None."""
     extended = getattr(model_strategy(model), "extended", None)
-    return extended if getattr(extended, "_multi_process", False) else None
+    return extended if extended is not None and extended.spans_processes else None
 
 
 def _check_same_resume_point(model, restored):
@@ -282,9 +283,9 @@ def _check_same_resume_point(model, restored):
         points = np.asarray(multihost_utils.process_allgather(point))
     else:
         # Through the strategy: a lost peer is then reported by name, not waited on.
-        rows = np.zeros((extended._num_workers, 2), np.int32)
-        rows[extended._worker_index] = point
-        points = np.asarray(extended._cross_process_sum(rows))
+        rows = np.zeros((extended.num_workers, 2), np.int32)
+        rows[extended.worker_index] = point
+        points = np.asarray(extended.placement.cross_process_sum(rows))
     if not (points == points[0]).all():
         raise RuntimeError(
             "The workers found different backups in `backup_dir`: every worker must "
@@ -300,4 +301,4 @@ def _barrier(model, name):
     if extended is None:
         multihost_utils.sync_global_devices(name)
     else:
-        extended._cross_process_sum(np.zeros((), np.int32))
+        extended.placement.cross_process_sum(np.zeros((), np.int32))

@@ -1,73 +1,27 @@
-"""Which process this is in its cluster, and where its callbacks write files.
+"""Which process writes the callbacks' files, asked once per ``fit``.
 
 Every process of a multi-worker job runs the same ``fit`` and the same
 callbacks. Saving reads the variables, and reading a variable may be a
-collective across processes, so every process saves: the chief at the path it
-was given, the others into a ``workertemp_<task_id>`` directory that they
-remove right after (tf.distribute's ``distributed_file_utils`` semantics).
+collective across processes, so every process saves; the model's strategy
+says where (``extended.role``, see ``cluster_resolver._role``).
 """
 
-from typing import NamedTuple
-
-import jax
-
 from keras_dist import _context
-from keras_dist._training._steps import model_strategy
-from keras_dist.cluster_resolver import _multi_worker
-from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
+from keras_dist._training import model_strategy
+from keras_dist.cluster_resolver._role import ProcessRole
+from keras_dist.cluster_resolver._role import role_from_resolver
 
-
-class ProcessRole(NamedTuple):
-    """This process's task in its cluster; all ``None`` for a single process."""
-
-    task_type: "str | None" = None
-    task_id: "int | None" = None
-    cluster_spec: "ClusterSpec | None" = None
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this process writes checkpoints and summaries at the user's paths."""
-        return _multi_worker.should_checkpoint(self.cluster_spec, self.task_type, self.task_id)
-
-    def write_filepath(self, filepath: str) -> str:
-        """``filepath`` on the chief, ``<dir>/workertemp_<task_id>/<name>`` elsewhere."""
-        return _multi_worker.write_filepath(
-            filepath, self.task_type, self.task_id, self.cluster_spec
-        )
-
-    def write_dirpath(self, dirpath: str) -> str:
-        """``dirpath`` on the chief, ``<dirpath>/workertemp_<task_id>`` (created) elsewhere."""
-        return _multi_worker.write_dirpath(dirpath, self.task_type, self.task_id, self.cluster_spec)
-
-    def remove_temp_dirpath(self, dirpath: str) -> None:
-        """Deletes a non-chief's temp dir for ``dirpath``; nothing on the chief."""
-        _multi_worker.remove_temp_dirpath(dirpath, self.task_type, self.task_id, self.cluster_spec)
-
-    def remove_temp_dir_with_filepath(self, filepath: str) -> None:
-        """Deletes a non-chief's temp dir holding ``filepath``; nothing on the chief."""
-        _multi_worker.remove_temp_dir_with_filepath(
-            filepath, self.task_type, self.task_id, self.cluster_spec
-        )
+__all__ = ["ProcessRole", "process_role", "role_of_strategy"]
 
 
 def role_of_strategy(strategy) -> ProcessRole:
-    """The role a strategy's cluster resolver gives this process.
-
-    Without a resolver, a job of several JAX processes (``jax.distributed``
-    started by hand) still needs one writer: process 0 is the chief.
+    """The role the cluster resolver of ``strategy`` (anything with one) gives this process.
 
     >>> import keras_dist as kd
-    >>> role_of_strategy(kd.get_strategy()).is_chief
+    >>> role_of_strategy(kd.MultiWorkerMirroredStrategy()).is_chief
     True
     """
-    resolver = getattr(strategy, "cluster_resolver", None)
-    spec = ClusterSpec(resolver.cluster_spec()) if resolver is not None else None
-    if spec:
-        return ProcessRole(resolver.task_type, resolver.task_id, spec)
-    if jax.process_count() > 1:
-        workers = [f"process{i}" for i in range(jax.process_count())]
-        return ProcessRole("worker", jax.process_index(), ClusterSpec({"worker": workers}))
-    return ProcessRole()
+    return role_from_resolver(getattr(strategy, "cluster_resolver", None))
 
 
 def process_role(model) -> ProcessRole:
@@ -75,6 +29,10 @@ def process_role(model) -> ProcessRole:
 
     The callbacks ask this function (through the module, so tests can replace
     it) once per ``fit``.
+
+    >>> process_role(None).is_chief
+    True
     """
     strategy = model_strategy(model) if model is not None else None
-    return role_of_strategy(strategy if strategy is not None else _context.get_strategy())
+    strategy = strategy if strategy is not None else _context.get_strategy()
+    return strategy.extended.role

@@ -102,6 +102,7 @@ class TensorBoard(keras.callbacks.Callback):
         if not self._is_writer:
             return None
         if run not in self._writers:
+            # Deferred: only the chief writes events, and tensorboardX loads protobuf.
             from tensorboardX import SummaryWriter
 
             self._writers[run] = SummaryWriter(logdir=os.path.join(self.log_dir, run))

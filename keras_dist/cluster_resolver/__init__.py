@@ -1,6 +1,13 @@
 """Cluster resolution (``tf.distribute.cluster_resolver``) and multi-worker helpers."""
 
+from keras_dist.cluster_resolver._base import ClusterResolver as ClusterResolver
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec as ClusterSpec
+from keras_dist.cluster_resolver._coordinator import (
+    KerasDistributionClusterResolver as KerasDistributionClusterResolver,
+)
+from keras_dist.cluster_resolver._coordinator import (
+    KubeflowClusterResolver as KubeflowClusterResolver,
+)
 from keras_dist.cluster_resolver._multi_worker import collective_leader as collective_leader
 from keras_dist.cluster_resolver._multi_worker import id_in_cluster as id_in_cluster
 from keras_dist.cluster_resolver._multi_worker import is_chief as is_chief
@@ -14,20 +21,14 @@ from keras_dist.cluster_resolver._multi_worker import should_save_summary as sho
 from keras_dist.cluster_resolver._multi_worker import worker_count as worker_count
 from keras_dist.cluster_resolver._multi_worker import write_dirpath as write_dirpath
 from keras_dist.cluster_resolver._multi_worker import write_filepath as write_filepath
-from keras_dist.cluster_resolver._resolvers import ClusterResolver as ClusterResolver
-from keras_dist.cluster_resolver._resolvers import (
-    KerasDistributionClusterResolver as KerasDistributionClusterResolver,
-)
-from keras_dist.cluster_resolver._resolvers import (
-    KubeflowClusterResolver as KubeflowClusterResolver,
-)
-from keras_dist.cluster_resolver._resolvers import SimpleClusterResolver as SimpleClusterResolver
-from keras_dist.cluster_resolver._resolvers import SlurmClusterResolver as SlurmClusterResolver
-from keras_dist.cluster_resolver._resolvers import (
+from keras_dist.cluster_resolver._resolve import resolve_cluster as resolve_cluster
+from keras_dist.cluster_resolver._simple import SimpleClusterResolver as SimpleClusterResolver
+from keras_dist.cluster_resolver._slurm import SlurmClusterResolver as SlurmClusterResolver
+from keras_dist.cluster_resolver._tf_config import (
     TFConfigClusterResolver as TFConfigClusterResolver,
 )
-from keras_dist.cluster_resolver._resolvers import UnionClusterResolver as UnionClusterResolver
-from keras_dist.cluster_resolver._resolvers import resolve_cluster as resolve_cluster
+from keras_dist.cluster_resolver._union import UnionClusterResolver as UnionClusterResolver
+from keras_dist.cluster_resolver._union import UnionResolver as UnionResolver
 
 __all__ = [
     "ClusterResolver",
@@ -38,6 +39,7 @@ __all__ = [
     "SlurmClusterResolver",
     "TFConfigClusterResolver",
     "UnionClusterResolver",
+    "UnionResolver",
     "collective_leader",
     "id_in_cluster",
     "is_chief",

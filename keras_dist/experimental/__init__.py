@@ -1,17 +1,13 @@
 """Experimental parts of keras_dist (``tf.distribute.experimental`` counterparts)."""
 
-from keras_dist.strategies._multi_worker_mirrored import CollectiveCommunication as CollectiveCommunication
-from keras_dist.strategies._multi_worker_mirrored import (
-    CommunicationImplementation as CommunicationImplementation,
-)
-from keras_dist.strategies._multi_worker_mirrored import CommunicationOptions as CommunicationOptions
-from keras_dist.strategies._multi_worker_mirrored import (
+from keras_dist._values._value_context import ValueContext as ValueContext
+from keras_dist.strategies import CentralStorageStrategy as CentralStorageStrategy
+from keras_dist.strategies import CollectiveCommunication as CollectiveCommunication
+from keras_dist.strategies import CommunicationImplementation as CommunicationImplementation
+from keras_dist.strategies import CommunicationOptions as CommunicationOptions
+from keras_dist.strategies import (
     ExperimentalMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
-from keras_dist.strategies._central_storage import (
-    CentralStorageStrategy as CentralStorageStrategy,
-)
-from keras_dist.experimental._value_context import ValueContext as ValueContext
 
 __all__ = [
     "CentralStorageStrategy",

@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from keras_dist import _context
+from keras_dist._replica_context import running_replica_context
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):
@@ -30,12 +30,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def _moments(self, inputs, mask):
-        replica_context = _context.current_frame().replica_context
-        if (
-            replica_context is None
-            or replica_context._is_default
-            or replica_context.num_replicas_in_sync == 1
-        ):
+        replica_context = running_replica_context()
+        if replica_context is None or replica_context.num_replicas_in_sync == 1:
             return super()._moments(inputs, mask)
         axes = self._reduction_axes
         if mask is None:

@@ -1,1 +1,51 @@
-"""strategies"""
+"""The strategies, one file each, and the contract they fulfil (``StrategyExtended``).
+
+* ``_strategy``: ``Strategy``, the public face every strategy shares.
+* ``_extended``: ``StrategyExtended``, the contract between a strategy and the
+  engines, inputs, Keras integration and callbacks.
+* ``_default``, ``_one_device``, ``_mirrored``, ``_central_storage``,
+  ``_multi_worker_mirrored``: the strategies.
+* ``_mesh_extended`` (with ``_placement``, ``_variable_registry`` and
+  ``_mesh_reductions``): the contract's implementation for strategies whose
+  replicas are the devices of one mesh.
+
+>>> import keras_dist as kd
+>>> from keras_dist import strategies
+>>> strategies.MirroredStrategy is kd.MirroredStrategy
+True
+"""
+
+from keras_dist.strategies._central_storage import CentralStorageStrategy as CentralStorageStrategy
+from keras_dist.strategies._default import default_strategy as default_strategy
+from keras_dist.strategies._extended import StrategyExtended as StrategyExtended
+from keras_dist.strategies._mirrored import MirroredStrategy as MirroredStrategy
+from keras_dist.strategies._multi_worker_mirrored import (
+    CollectiveCommunication as CollectiveCommunication,
+)
+from keras_dist.strategies._multi_worker_mirrored import (
+    CommunicationImplementation as CommunicationImplementation,
+)
+from keras_dist.strategies._multi_worker_mirrored import (
+    CommunicationOptions as CommunicationOptions,
+)
+from keras_dist.strategies._multi_worker_mirrored import (
+    ExperimentalMultiWorkerMirroredStrategy as ExperimentalMultiWorkerMirroredStrategy,
+)
+from keras_dist.strategies._multi_worker_mirrored import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
+from keras_dist.strategies._one_device import OneDeviceStrategy as OneDeviceStrategy
+from keras_dist.strategies._strategy import Strategy as Strategy
+
+__all__ = [
+    "CentralStorageStrategy",
+    "CollectiveCommunication",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "ExperimentalMultiWorkerMirroredStrategy",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy",
+    "Strategy",
+    "StrategyExtended",
+]

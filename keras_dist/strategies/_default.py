@@ -11,11 +11,11 @@ from keras_dist import _context
 from keras_dist._devices import device_name
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
+from keras_dist._values import DistributedValues
+from keras_dist._values._value_context import ValueContext
+from keras_dist.strategies._extended import StrategyExtended
+from keras_dist.strategies._extended import require_cross_replica
 from keras_dist.strategies._strategy import Strategy
-from keras_dist.strategies._strategy import StrategyExtended
-from keras_dist.strategies._strategy import require_cross_replica
-from keras_dist._values._distributed_values import DistributedValues
-from keras_dist.experimental._value_context import ValueContext
 
 
 class _DefaultExtended(StrategyExtended):
@@ -24,18 +24,22 @@ class _DefaultExtended(StrategyExtended):
         self._default_replica_context = ReplicaContext(container_strategy, 0, _is_default=True)
 
     @property
-    def _devices(self):
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    @property
+    def local_devices(self) -> tuple:
         return (jax.devices()[0],)
 
     @property
     def worker_devices(self) -> tuple:
-        return tuple(device_name(d) for d in self._devices)
+        return tuple(device_name(d) for d in self.local_devices)
 
     @property
-    def parameter_devices(self) -> tuple:
-        return self.worker_devices
+    def default_replica_context(self):
+        return self._default_replica_context
 
-    def call_for_each_replica(self, fn, args=(), kwargs=None):
+    def call_for_each_replica(self, fn, args=(), kwargs=None, *, eagerly=False):
         kwargs = kwargs or {}
         frame = _context.current_frame()
         if frame.replica_context is self._default_replica_context:
@@ -45,23 +49,23 @@ class _DefaultExtended(StrategyExtended):
 
     def reduce_to(self, reduce_op, value, destinations, options=None):
         ReduceOp.from_value(reduce_op)
-        require_cross_replica(self._container_strategy(), "reduce_to")
+        require_cross_replica("reduce_to")
         return _only_value(value)
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         ReduceOp.from_value(reduce_op)
-        require_cross_replica(self._container_strategy(), "batch_reduce_to")
+        require_cross_replica("batch_reduce_to")
         return [_only_value(v) for v, _ in value_destination_pairs]
 
     def broadcast_to(self, tensor, destinations):
-        require_cross_replica(self._container_strategy(), "broadcast_to")
+        require_cross_replica("broadcast_to")
         return tensor
 
     def update(self, var, fn, args=(), kwargs=None, group=True):
-        require_cross_replica(self._container_strategy(), "update")
+        require_cross_replica("update")
         return fn(var, *args, **(kwargs or {}))
 
-    def _reduce(self, reduce_op, value, axis):
+    def reduce_value(self, reduce_op, value, axis):
         value = _only_value(value)
         if axis is None:
             return value
@@ -70,10 +74,10 @@ class _DefaultExtended(StrategyExtended):
             return jax.numpy.sum(value, axis=axis)
         return jax.numpy.mean(value, axis=axis)
 
-    def _gather(self, value, axis):
+    def gather_value(self, value, axis):
         return _only_value(value)
 
-    def _distribute_values_from_function(self, value_fn):
+    def distribute_values_from_function(self, value_fn):
         return value_fn(ValueContext(0, 1))
 
 
@@ -98,16 +102,14 @@ class _DefaultStrategy(Strategy):
         return "DefaultStrategy()"
 
 
-_DEFAULT = None
+_DEFAULT = _DefaultStrategy()
+_context.set_default_strategy(_DEFAULT)
 
 
 def default_strategy() -> Strategy:
-    """The process-wide default strategy."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = _DefaultStrategy()
+    """The process-wide default strategy.
+
+    >>> default_strategy() is default_strategy()
+    True
+    """
     return _DEFAULT
-
-
-def is_default_strategy(strategy) -> bool:
-    return isinstance(strategy, _DefaultStrategy)

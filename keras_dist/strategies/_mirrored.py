@@ -1,6 +1,5 @@
-"""`MirroredStrategy` and `OneDeviceStrategy`: synchronous replicas on local devices."""
+"""`MirroredStrategy`: synchronous replicas on the devices of one machine."""
 
-from keras_dist._devices import resolve_device
 from keras_dist._devices import resolve_devices
 from keras_dist.strategies._mesh_extended import MeshExtended
 from keras_dist.strategies._strategy import Strategy
@@ -30,16 +29,3 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, cross_device_ops=None):
         super().__init__(MeshExtended(self, resolve_devices(devices), cross_device_ops))
-
-
-class OneDeviceStrategy(Strategy):
-    """Runs everything on one device, with the same API as the other strategies.
-
-    >>> import keras_dist as kd
-    >>> strategy = kd.OneDeviceStrategy("/cpu:0")
-    >>> strategy.experimental_local_results(strategy.run(lambda: 4.0))
-    (Array(4., dtype=float32, weak_type=True),)
-    """
-
-    def __init__(self, device):
-        super().__init__(MeshExtended(self, (resolve_device(device),)))

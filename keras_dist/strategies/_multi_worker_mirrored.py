@@ -15,17 +15,16 @@ import jax.numpy as jnp
 
 from keras_dist import _context
 from keras_dist import _distributed_runtime
-from keras_dist._engine._gate import GATE
-from keras_dist.strategies._mesh_extended import MeshExtended
 from keras_dist._reduce_op import ReduceOp
-from keras_dist.strategies._strategy import Strategy
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.cluster_resolver import SimpleClusterResolver
 from keras_dist.cluster_resolver import TFConfigClusterResolver
 from keras_dist.cluster_resolver import resolve_cluster
 from keras_dist.cluster_resolver._multi_worker import id_in_cluster
-from keras_dist.cluster_resolver._multi_worker import is_chief
 from keras_dist.cluster_resolver._multi_worker import worker_count
+from keras_dist.cluster_resolver._role import ProcessRole
+from keras_dist.strategies._mesh_extended import MeshExtended
+from keras_dist.strategies._strategy import Strategy
 
 _log = logging.getLogger(__name__)
 
@@ -136,10 +135,15 @@ class _ProcessLayout:
         self.coordinator = coordinator
 
     @property
-    def is_chief(self) -> bool:
+    def role(self) -> ProcessRole:
+        """This process's role (who is the chief is decided in ``cluster_resolver``)."""
         if self.num_workers == 1 and self.task_type is None:
-            return True
-        return is_chief(self.cluster_spec.as_dict(), self.task_type, self.task_id)
+            return ProcessRole()
+        return ProcessRole(self.task_type, self.task_id, self.cluster_spec)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.role.is_chief
 
     def task_names(self) -> list:
         """``"chief 0"``, ``"worker 1"``... in process-id order."""
@@ -159,8 +163,6 @@ class MultiWorkerExtended(MeshExtended):
     def __init__(self, container_strategy, layout, options):
         self._layout = layout
         self._options = options
-        self._num_workers = layout.num_workers
-        self._worker_index = layout.process_id
         timeout = options.timeout_seconds or _DEFAULT_TIMEOUT_SECONDS
         if layout.num_workers > 1:
             _distributed_runtime.initialize(
@@ -187,22 +189,30 @@ class MultiWorkerExtended(MeshExtended):
                 "CommunicationImplementation.NCCL needs GPUs; these workers run on "
                 "CPU, so collectives use gloo (TF falls back to RING the same way)."
             )
-        super().__init__(container_strategy, local, mesh_devices=everyone)
-        self._watch = None
-        if self._multi_process:
-            self._watch = _distributed_runtime.PeerWatch(
+        executor = None
+        if everyone != local:
+            # On CPU each execution completes before the next anyway (one in
+            # flight); running it under the watch, with a deadline, means a lost
+            # peer is reported by name instead of hanging this or a later read.
+            executor = _distributed_runtime.PeerWatch(
                 layout.task_names(), layout.process_id, timeout
-            )
+            ).call
+        super().__init__(container_strategy, local, mesh_devices=everyone, executor=executor)
 
-    def _gated(self, fn, *args):
-        if self._watch is None or not self._serialize:
-            return GATE.call(self._serialize, fn, *args)
-        # On CPU each execution completes before the next anyway (DESIGN §8);
-        # running it under the watch, with a deadline, means a lost peer is
-        # reported by name instead of hanging this or a later read.
-        return GATE.call(True, self._watch.call, fn, *args)
+    @property
+    def num_workers(self) -> int:
+        return self._layout.num_workers
 
-    def _reduce_non_distributed(self, reduce_op, value):
+    @property
+    def worker_index(self) -> int:
+        return self._layout.process_id
+
+    @property
+    def role(self) -> ProcessRole:
+        """The chief (worker 0 without one) writes checkpoints and summaries."""
+        return self._layout.role
+
+    def reduce_non_distributed(self, reduce_op, value):
         """A plain value is this worker's: SUM adds it over workers, as TF does.
 
         (Spec: two workers reducing a host tensor 1 with SUM get 2.) Inside a
@@ -210,19 +220,9 @@ class MultiWorkerExtended(MeshExtended):
         one-process rule.
         """
         traced = isinstance(value, jax.core.Tracer) or _context.current_frame().engine is not None
-        if not self._multi_process or reduce_op is ReduceOp.MEAN or traced:
-            return super()._reduce_non_distributed(reduce_op, value)
-        return self._cross_process_sum(jnp.asarray(value))
-
-    @property
-    def should_checkpoint(self) -> bool:
-        """True on the chief (worker 0 without one): only it writes checkpoints."""
-        return self._layout.is_chief
-
-    @property
-    def should_save_summary(self) -> bool:
-        """True on the chief (worker 0 without one): only it writes summaries."""
-        return self._layout.is_chief
+        if not self.spans_processes or reduce_op is ReduceOp.MEAN or traced:
+            return super().reduce_non_distributed(reduce_op, value)
+        return self.placement.cross_process_sum(jnp.asarray(value))
 
     @property
     def experimental_between_graph(self) -> bool:
@@ -235,7 +235,7 @@ class MultiWorkerExtended(MeshExtended):
         task_id = self._layout.task_id or 0
         return tuple(
             f"/job:{task_type}/replica:0/task:{task_id}/device:{d.platform.upper()}:{i}"
-            for i, d in enumerate(self._devices)
+            for i, d in enumerate(self.local_devices)
         )
 
 
@@ -284,14 +284,6 @@ class MultiWorkerMirroredStrategy(Strategy):
     def cluster_resolver(self):
         """The resolver describing the cluster and this task."""
         return self._cluster_resolver
-
-    def _input_context(self):
-        from keras_dist._input._dataset import InputContext
-
-        extended = self._extended
-        return InputContext(
-            extended._num_workers, extended._worker_index, self.num_replicas_in_sync
-        )
 
     def __repr__(self):
         layout = self._extended._layout

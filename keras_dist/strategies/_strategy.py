@@ -1,30 +1,23 @@
-"""`Strategy` and `StrategyExtended`: the public face every strategy shares.
+"""`Strategy`: the public face every strategy shares.
 
 A strategy describes *what* (devices, variable policy, reductions); its
-``extended`` object and the engines do *how*. Methods check the context they
-are called in and fail early with the fix in the message.
+``extended`` object (the contract in ``_extended``) and the engines do *how*.
+Methods check the context they are called in and fail early with the fix in
+the message.
 """
 
 import contextlib
-from typing import Any
+
+import jax
 
 from keras_dist import _context
-from keras_dist._input._dataset import DistributedDataset
-from keras_dist._input._dataset import InputContext
-from keras_dist._input._dataset import NumpyDataset
+from keras_dist._input import DistributedDataset
+from keras_dist._input import NumpyDataset
 from keras_dist._reduce_op import ReduceOp
-from keras_dist._values._distributed_values import DistributedValues
-
-_CROSS_REPLICA_ONLY = (
-    "Method requires being in cross-replica context, use get_replica_context().merge_call()"
-)
-
-
-def require_cross_replica(strategy, method: str) -> None:
-    """Raises if called inside one of ``strategy``'s replicas."""
-    replica_context = _context.current_frame().replica_context
-    if replica_context is not None and not replica_context._is_default:
-        raise RuntimeError(f"{_CROSS_REPLICA_ONLY}. Received: a call to `{method}`.")
+from keras_dist._replica_context import running_replica_context
+from keras_dist._values import DistributedValues
+from keras_dist.strategies._extended import StrategyExtended
+from keras_dist.strategies._extended import require_cross_replica
 
 
 class Strategy:
@@ -52,7 +45,7 @@ class Strategy:
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas take part in each step."""
-        return self._extended._num_replicas_in_sync
+        return self._extended.num_replicas_in_sync
 
     @property
     def cluster_resolver(self):
@@ -97,8 +90,8 @@ class Strategy:
         2.0
         """
         reduce_op = ReduceOp.from_value(reduce_op)
-        require_cross_replica(self, "reduce")
-        return self._extended._reduce(reduce_op, value, axis)
+        require_cross_replica("reduce")
+        return self._extended.reduce_value(reduce_op, value, axis)
 
     def experimental_local_results(self, value) -> tuple:
         """The components of ``value`` on this process's replicas, as a tuple.
@@ -108,9 +101,7 @@ class Strategy:
         if isinstance(value, DistributedValues):
             return value.values
         if _is_nest_of_distributed(value):
-            import jax
-
-            n = len(self._extended._devices)
+            n = self._extended.num_local_replicas
             return tuple(
                 jax.tree_util.tree_map(
                     lambda v, i=i: v.values[i] if isinstance(v, DistributedValues) else v,
@@ -126,8 +117,8 @@ class Strategy:
 
         Call in cross-replica context; in a replica use ``ReplicaContext.all_gather``.
         """
-        require_cross_replica(self, "gather")
-        return self._extended._gather(value, axis)
+        require_cross_replica("gather")
+        return self._extended.gather_value(value, axis)
 
     def experimental_distribute_values_from_function(self, value_fn):
         """Builds a ``PerReplica`` from ``value_fn(ValueContext)`` called once per replica.
@@ -139,7 +130,7 @@ class Strategy:
         >>> [float(x) for x in strategy.experimental_local_results(v)]
         [0.0, 10.0]
         """
-        return self._extended._distribute_values_from_function(value_fn)
+        return self._extended.distribute_values_from_function(value_fn)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Splits each global batch of ``dataset`` between the replicas.
@@ -158,16 +149,11 @@ class Strategy:
         """A dataset of the rows of ``numpy_input`` (a nest of arrays); ``.batch(n)`` batches it."""
         return NumpyDataset(numpy_input)
 
-    def _input_context(self) -> InputContext:
-        return InputContext(1, 0, self.num_replicas_in_sync)
-
     def __repr__(self):
         return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"
 
 
 def _is_nest_of_distributed(value) -> bool:
-    import jax
-
     leaves = jax.tree_util.tree_leaves(value, is_leaf=lambda v: isinstance(v, DistributedValues))
     return any(isinstance(v, DistributedValues) for v in leaves)
 
@@ -196,127 +182,20 @@ class _Scope:
 @contextlib.contextmanager
 def _scope(strategy):
     frame = _context.current_frame()
-    if frame.strategy is strategy and frame.replica_context is not None and not frame.entered_scope:
-        if not frame.replica_context._is_default:
-            # Already inside one of this strategy's replicas.
-            yield strategy
-            return
-    for outer in _context.frames():
-        if outer.strategy is not strategy:
-            raise RuntimeError(
-                "Mixing different tf.distribute.Strategy objects: a scope of "
-                f"{type(strategy).__name__} was entered inside a scope of "
-                f"{type(outer.strategy).__name__}. Leave the outer scope first. "
-                f"Received: strategy={strategy!r}, current={outer.strategy!r}"
-            )
+    if frame.strategy is strategy and not frame.entered_scope and running_replica_context():
+        # Already inside one of this strategy's replicas.
+        yield strategy
+        return
+    outer = _context.other_strategy_in_scope(strategy)
+    if outer is not None:
+        raise RuntimeError(
+            "Mixing different tf.distribute.Strategy objects: a scope of "
+            f"{type(strategy).__name__} was entered inside a scope of "
+            f"{type(outer).__name__}. Leave the outer scope first. "
+            f"Received: strategy={strategy!r}, current={outer!r}"
+        )
     # The default strategy's scope changes nothing (TF's testScopeMostlyNoOp): code
     # in it stays in the default replica context, not in a cross-replica one.
-    replica_context = getattr(strategy.extended, "_default_replica_context", None)
+    replica_context = strategy.extended.default_replica_context
     with _context.push(_context.Frame(strategy, replica_context, entered_scope=True)):
         yield strategy
-
-
-class StrategyExtended:
-    """Additional APIs for algorithms that need to be distribution-aware.
-
-    Cross-replica-only methods (``reduce_to``, ``batch_reduce_to``,
-    ``broadcast_to``, ``update``) raise in a replica context: call them from a
-    ``merge_call``. Every concrete strategy's extended object derives from this.
-    """
-
-    _keras_distribution = None
-    _num_replicas_in_sync = 1
-
-    def __init__(self, container_strategy):
-        self._container_strategy_ref = container_strategy
-
-    def _container_strategy(self):
-        return self._container_strategy_ref
-
-    # Properties every strategy answers the same way on one host.
-    @property
-    def should_checkpoint(self) -> bool:
-        """Whether this process should save checkpoints (the chief only)."""
-        return True
-
-    @property
-    def should_save_summary(self) -> bool:
-        """Whether this process should write summaries (the chief only)."""
-        return True
-
-    @property
-    def experimental_should_init(self) -> bool:
-        """Whether this process should run variable initializers."""
-        return True
-
-    @property
-    def experimental_between_graph(self) -> bool:
-        """Whether each worker runs its own program (multi-worker strategies)."""
-        return False
-
-    @property
-    def experimental_require_static_shapes(self) -> bool:
-        """Whether inputs must have static shapes.
-
-        ``False``: partial batches are handled (split unevenly in custom loops,
-        padded and masked in ``fit``).
-        """
-        return False
-
-    def call_for_each_replica(self, fn, args=(), kwargs=None):
-        """Runs ``fn`` once per replica; the same as ``strategy.run``."""
-        raise NotImplementedError
-
-    def reduce_to(self, reduce_op, value, destinations, options=None):
-        """Combines ``value`` across replicas onto ``destinations``. Cross-replica only."""
-        raise NotImplementedError
-
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-        """Several ``reduce_to`` in one fused reduction. Cross-replica only."""
-        raise NotImplementedError
-
-    def broadcast_to(self, tensor, destinations):
-        """Copies ``tensor`` to ``destinations`` as a ``Mirrored`` value. Cross-replica only."""
-        raise NotImplementedError
-
-    def update(self, var, fn, args=(), kwargs=None, group=True):
-        """Runs ``fn(var, *args, **kwargs)`` to update ``var`` everywhere. Cross-replica only."""
-        raise NotImplementedError
-
-    def colocate_vars_with(self, colocate_with_variable):
-        """A scope in which variables go where ``colocate_with_variable`` is.
-
-        Every variable of a mirrored strategy is on every replica's device, so
-        this changes nothing here; it exists for code written for TF.
-        """
-        return contextlib.nullcontext()
-
-    def value_container(self, value) -> Any:
-        """The distributed variable ``value`` belongs to, or ``value`` itself."""
-        return value
-
-    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
-        """``get_replica_context().all_reduce``; TF code and tests call it by this name.
-
-        Call in a replica context.
-        """
-        replica_context = _context.get_replica_context()
-        if replica_context is None:
-            raise RuntimeError(
-                "`_replica_ctx_all_reduce` must be called in a replica context, inside "
-                "`strategy.run`. In the cross-replica context use `reduce_to`. "
-                f"Received: value={value!r}"
-            )
-        return replica_context.all_reduce(reduce_op, value, options)
-
-    def _reduce(self, reduce_op, value, axis):
-        raise NotImplementedError
-
-    def _gather(self, value, axis):
-        raise NotImplementedError
-
-    def _distribute_values_from_function(self, value_fn):
-        raise NotImplementedError
-
-    def _unwrap_mirrored(self, value):
-        return value

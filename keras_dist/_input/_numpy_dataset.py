@@ -1,0 +1,38 @@
+"""``NumpyDataset``: the rows of a nest of NumPy arrays, batched."""
+
+import jax
+import numpy as np
+
+
+class NumpyDataset:
+    """The rows of a nest of NumPy arrays; ``batch(n)`` makes global batches.
+
+    >>> ds = NumpyDataset(np.arange(5)).batch(2)
+    >>> [b.tolist() for b in ds]
+    [[0, 1], [2, 3], [4]]
+    """
+
+    def __init__(self, numpy_input, batch_size=None, drop_remainder=False):
+        self._data = jax.tree_util.tree_map(np.asarray, numpy_input)
+        leaves = jax.tree_util.tree_leaves(self._data)
+        self._size = len(leaves[0]) if leaves else 0
+        self._batch_size = batch_size
+        self._drop_remainder = drop_remainder
+
+    def batch(self, batch_size: int, drop_remainder: bool = False) -> "NumpyDataset":
+        """Groups rows into batches of ``batch_size`` (the last may be smaller)."""
+        return NumpyDataset(self._data, batch_size, drop_remainder)
+
+    def __len__(self):
+        if self._batch_size is None:
+            return self._size
+        full, rest = divmod(self._size, self._batch_size)
+        return full + (1 if rest and not self._drop_remainder else 0)
+
+    def __iter__(self):
+        step = self._batch_size or 1
+        for start in range(0, len(self) * step, step):
+            if self._batch_size is None:
+                yield jax.tree_util.tree_map(lambda x, s=start: x[s], self._data)
+            else:
+                yield jax.tree_util.tree_map(lambda x, s=start: x[s : s + step], self._data)

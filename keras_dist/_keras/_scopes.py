@@ -1,0 +1,69 @@
+"""State threading: Keras's ``StatelessScope`` maps variables to values.
+
+The compiled engine and ``value_and_grad`` run user code with every variable's
+value substituted by a traced one, the mechanism Keras itself uses for its
+stateless calls. ``RecordingScope`` also records which variables were
+assigned, and which were read without a mapping (created outside the state the
+engine threads).
+"""
+
+from keras_dist._keras._internals import StatelessScope
+from keras_dist._keras._internals import get_stateless_scope
+from keras_dist._keras._internals import global_state
+from keras_dist._keras._internals import initialize_all_variables
+
+
+class RecordingScope(StatelessScope):
+    """A ``StatelessScope`` that records assigned and unmapped variables.
+
+    ``mapping`` is a dict ``id(variable) -> value``, taken as is (no copies or
+    checks: this runs on every trace and every gradient call).
+
+    >>> import keras
+    >>> v = keras.Variable(1.0)
+    >>> with RecordingScope({id(v): 2.0}) as scope:
+    ...     _ = v.assign(3.0)
+    >>> float(scope.state_mapping[id(v)]), list(scope.assigned) == [id(v)]
+    (3.0, True)
+    """
+
+    def __init__(self, mapping: dict, deferred_writes: "list | None" = None):
+        super().__init__(initialize_variables=False)
+        self.state_mapping = mapping
+        self.assigned: dict = {}
+        self.unmapped: dict = {}
+        # When a list, distributed variables written in a replica append
+        # (variable, kind, value) to it instead of aggregating at once.
+        self.deferred_writes = deferred_writes
+
+    def add_update(self, update):
+        variable, value = update
+        self.assigned[id(variable)] = variable
+        self.state_mapping[id(variable)] = value
+
+    def get_current_value(self, variable):
+        value = self.state_mapping.get(id(variable))
+        if value is None:
+            self.unmapped[id(variable)] = variable
+        return value
+
+
+def current_scope():
+    """The innermost stateless scope, or ``None``."""
+    return get_stateless_scope()
+
+
+def current_mapping() -> dict:
+    """The ``id -> value`` mapping of the current stateless scope, if any."""
+    scope = get_stateless_scope()
+    return dict(scope.state_mapping) if scope is not None else {}
+
+
+def pending_variables() -> list:
+    """Variables created inside a stateless scope and not yet initialized."""
+    return list(global_state.get_global_attribute("uninitialized_variables") or [])
+
+
+def initialize_pending_variables() -> None:
+    """Gives the variables created in a stateless scope their first values."""
+    initialize_all_variables()

@@ -1,0 +1,184 @@
+"""Keras's training loops for a model created under a strategy.
+
+Keras's JAX loops stay (callbacks, progress bar, History, validation,
+``steps_per_execution``); the step functions, the state handling and the data
+iterator come from keras_dist's training package, handed in as a
+``TrainingIntegration`` when the hooks are installed (this package sits below
+it). Internals used: the ``JAXTrainer`` loops and ``make_*_function``,
+``_get_jax_state``, ``JAXEpochIterator._get_iterator`` and
+``_enumerate_iterator``, ``Trainer.get_metrics_result`` and ``Trainer.compile``.
+"""
+
+import functools
+from typing import Protocol
+
+from keras_dist import _context
+from keras_dist._keras._internals import JAXEpochIterator
+from keras_dist._keras._internals import JAXTrainer
+from keras_dist._keras._internals import Trainer
+from keras_dist._keras._internals import global_state
+from keras_dist._keras._variables import is_strategy_distribution
+
+_LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+_STEP_FUNCTIONS = (
+    ("make_train_function", "train_function"),
+    ("make_test_function", "test_function"),
+    ("make_predict_function", "predict_function"),
+)
+
+
+class TrainingIntegration(Protocol):
+    """What the trainer hooks ask of keras_dist's training package."""
+
+    def model_strategy(self, model):
+        """The strategy ``model`` was created or compiled under, or ``None``."""
+
+    def check_fit_context(self, model) -> None:
+        """Raises when a model built outside any strategy is trained inside a scope."""
+
+    def make_steps(self, model, strategy):
+        """An object with ``train_function``, ``test_function``, ``predict_function``."""
+
+    def host_batches(self, batches, read_ahead: bool):
+        """Keras's host batches as ``fit`` iterates them (read ahead or not)."""
+
+
+def _in_strategy() -> bool:
+    return is_strategy_distribution(global_state.get_global_attribute("distribution"))
+
+
+def _wrap_loop(original, training):
+    """Runs a Keras loop in the model's strategy scope, so variables it creates are distributed."""
+
+    @functools.wraps(original)
+    def loop(self, *args, **kwargs):
+        strategy = training.model_strategy(self)
+        if strategy is None:
+            training.check_fit_context(self)
+            return original(self, *args, **kwargs)
+        if original.__name__ == "fit":
+            # Keras shuffles with NumPy's global generator: across processes
+            # every worker must draw the same order (it keeps its replicas'
+            # pieces of each global batch).
+            strategy.extended.agree_on_host_random_state()
+        with strategy.scope():
+            return original(self, *args, **kwargs)
+
+    loop._keras_dist_hook = True
+    return loop
+
+
+def _steps(model, strategy, training):
+    steps = getattr(model, "_keras_dist_steps", None)
+    if steps is None or steps.strategy is not strategy:
+        steps = training.make_steps(model, strategy)
+        object.__setattr__(model, "_keras_dist_steps", steps)
+    return steps
+
+
+def _wrap_make_function(original, attribute, training):
+    @functools.wraps(original)
+    def make_function(self, force=False):
+        strategy = training.model_strategy(self)
+        if strategy is None:
+            return original(self, force)
+        if getattr(self, attribute) is None or force:
+            setattr(self, attribute, getattr(_steps(self, strategy, training), attribute))
+        return getattr(self, attribute)
+
+    return make_function
+
+
+def _wrap_get_jax_state(original, training):
+    @functools.wraps(original)
+    def get_jax_state(self, **groups):
+        if training.model_strategy(self) is None:
+            return original(self, **groups)
+        # Our steps read and write the variables themselves: an empty list per
+        # requested group keeps Keras's unpacking and syncing no-ops.
+        wanted = ("trainable_variables", "non_trainable_variables")
+        wanted += ("optimizer_variables", "metrics_variables")
+        return tuple([] for name in wanted if groups.get(name))
+
+    return get_jax_state
+
+
+def _wrap_get_iterator(original, training):
+    @functools.wraps(original)
+    def get_iterator(self):
+        if _in_strategy():
+            # Host batches: the strategy splits and places them itself. They are
+            # read ahead, except from a generator: Keras may start a new epoch
+            # on the same generator, and batches read ahead would be lost.
+            batches = self.data_adapter.get_numpy_iterator()
+            from_generator = type(self.data_adapter).__name__ == "GeneratorDataAdapter"
+            return training.host_batches(batches, read_ahead=not from_generator)
+        return original(self)
+
+    return get_iterator
+
+
+def _wrap_enumerate_iterator(original):
+    """The last execution of an epoch ends at the epoch's last batch, as in tf-keras.
+
+    Keras 3 reports ``begin + steps_per_execution - 1`` to ``on_*_batch_end``
+    even when the epoch ends sooner (batch 59 of a 50-batch epoch with
+    ``steps_per_execution=20``); tf-keras reports 49.
+    """
+
+    @functools.wraps(original)
+    def enumerate_iterator(self):
+        steps = self.steps_per_epoch or self._num_batches
+        for begin_step, end_step, iterator in original(self):
+            if steps and _in_strategy():
+                end_step = min(end_step, steps - 1)
+            yield begin_step, end_step, iterator
+
+    return enumerate_iterator
+
+
+def _wrap_get_metrics_result(original):
+    @functools.wraps(original)
+    def get_metrics_result(self):
+        frame = _context.current_frame()
+        replica_context = frame.replica_context
+        if replica_context is not None and frame.engine is not None and frame.engine.compiled:
+            # As tf.keras's metric results: read in a merge_call, aggregated.
+            return replica_context.merge_call(lambda _: original(self))
+        return original(self)
+
+    return get_metrics_result
+
+
+def _wrap_compile(original):
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        if _context.has_strategy():
+            object.__setattr__(self, "_keras_dist_strategy", _context.get_strategy())
+        return original(self, *args, **kwargs)
+
+    return compile
+
+
+def compiled_under(model):
+    """The strategy current when ``model.compile`` ran, or ``None``."""
+    return getattr(model, "_keras_dist_strategy", None)
+
+
+def install_trainer_hook(training: TrainingIntegration) -> None:
+    """Routes the training loops of models created under a strategy through ``training``."""
+    if getattr(JAXTrainer.fit, "_keras_dist_hook", False):
+        return
+    for name in _LOOPS:
+        setattr(JAXTrainer, name, _wrap_loop(getattr(JAXTrainer, name), training))
+    for name, attribute in _STEP_FUNCTIONS:
+        setattr(
+            JAXTrainer, name, _wrap_make_function(getattr(JAXTrainer, name), attribute, training)
+        )
+    JAXTrainer._get_jax_state = _wrap_get_jax_state(JAXTrainer._get_jax_state, training)
+    JAXEpochIterator._get_iterator = _wrap_get_iterator(JAXEpochIterator._get_iterator, training)
+    JAXEpochIterator._enumerate_iterator = _wrap_enumerate_iterator(
+        JAXEpochIterator._enumerate_iterator
+    )
+    Trainer.get_metrics_result = _wrap_get_metrics_result(Trainer.get_metrics_result)
+    Trainer.compile = _wrap_compile(Trainer.compile)

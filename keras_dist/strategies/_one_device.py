@@ -1,0 +1,18 @@
+"""`OneDeviceStrategy`: everything on one device, with the API of the other strategies."""
+
+from keras_dist._devices import resolve_device
+from keras_dist.strategies._mesh_extended import MeshExtended
+from keras_dist.strategies._strategy import Strategy
+
+
+class OneDeviceStrategy(Strategy):
+    """Runs everything on one device, with the same API as the other strategies.
+
+    >>> import keras_dist as kd
+    >>> strategy = kd.OneDeviceStrategy("/cpu:0")
+    >>> strategy.experimental_local_results(strategy.run(lambda: 4.0))
+    (Array(4., dtype=float32, weak_type=True),)
+    """
+
+    def __init__(self, device):
+        super().__init__(MeshExtended(self, (resolve_device(device),)))
