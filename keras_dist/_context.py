@@ -67,8 +67,6 @@ def other_strategy_in_scope(strategy):
     return None
 
 
-
-
 @contextlib.contextmanager
 def push(frame: Frame):
     """Makes ``frame`` current for the body; restores the previous state after."""

@@ -21,12 +21,12 @@ import functools
 
 import jax
 
+from keras_dist._input import batch_rows
 from keras_dist._keras import compute_loss_and_updates
 from keras_dist._keras import keras_update_metrics
 from keras_dist._keras import model_layers
 from keras_dist._keras import overrides_keras_step
 from keras_dist._keras import unpack_x_y_sample_weight as _unpack
-from keras_dist._input import batch_rows
 from keras_dist._values import select_replica
 from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.layers import SyncBatchNormalization

@@ -49,4 +49,3 @@ def optimizer_trainable_variables(optimizer) -> list:
 def set_initial_epoch(model, epoch) -> None:
     """The epoch ``fit`` starts at, as ``BackupAndRestore`` sets it (``None``: from ``fit``)."""
     model._initial_epoch = epoch
-

@@ -16,7 +16,6 @@ per-replica components.
 
 import copy
 import operator
-from typing import Any
 
 import jax
 import keras
@@ -253,8 +252,6 @@ def replicated_components(array: jax.Array) -> tuple:
     """The per-device copies of a replicated global array, in mesh order."""
     by_device = {shard.device: shard.data for shard in array.addressable_shards}
     return tuple(by_device[d] for d in array.sharding.mesh.devices.flat if d in by_device)
-
-
 
 
 def select_replica(replica_id: int, structure):

@@ -333,8 +333,6 @@ class SyncOnReadVariable(DistributedVariable):
         self._stacked = self._distribute_strategy.extended.placement.stack_components(components)
 
 
-
-
 def numpy_components(variable) -> list:
     """The per-replica components of a variable as NumPy arrays (for tests)."""
     if isinstance(variable, SyncOnReadVariable):
