@@ -106,7 +106,7 @@ def main():
     ]
     strategy = kd.MirroredStrategy()
     ours, weights = keras_dist_runner(strategy, batches)
-    baseline = jit_runner(strategy.extended._devices, batches, weights)
+    baseline = jit_runner(strategy.extended.local_devices, batches, weights)
     ours(20)
     baseline(20)
     ours_rates, baseline_rates, ratios = [], [], []
@@ -120,7 +120,7 @@ def main():
         f"custom_loop: keras_dist strategy.run {statistics.median(ours_rates):.0f} steps/s, "
         f"hand-written jax.jit {statistics.median(baseline_rates):.0f} steps/s, "
         f"ratio {statistics.median(ratios):.2f} (target >= 0.9; "
-        f"{strategy.num_replicas_in_sync} x {strategy.extended._devices[0].platform}, "
+        f"{strategy.num_replicas_in_sync} x {strategy.extended.local_devices[0].platform}, "
         f"global batch {args.batch}, median of {args.repeats} x {args.steps} steps)"
     )
 

@@ -100,7 +100,7 @@ def main():
     mirrored = kd.MirroredStrategy()
     ours, model = keras_fit(mirrored, x, y)
     weights = [w.numpy() for w in model.trainable_variables]
-    baseline = jit_loop(mirrored.extended._devices, x, y, weights)
+    baseline = jit_loop(mirrored.extended.local_devices, x, y, weights)
     one_device, _ = keras_fit(kd.OneDeviceStrategy(jax.devices()[0]), x, y)
     plain, _ = keras_fit(None, x, y)
     for run in (ours, baseline, one_device, plain):
