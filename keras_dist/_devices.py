@@ -1,6 +1,7 @@
 """Turns TensorFlow device strings and JAX devices into ``jax.Device`` objects."""
 
 import re
+from collections.abc import Iterable
 from collections.abc import Sequence
 
 import jax
@@ -10,8 +11,10 @@ _DEVICE_RE = re.compile(r"(?:^|/)(?:device:)?(?P<kind>[A-Za-z]+):(?P<index>\d+)$
 _KIND_TO_PLATFORM = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}
 
 
-def resolve_device(device: "str | jax.Device") -> jax.Device:
+def resolve_device(device: "str | jax.Device", name: str = "device") -> jax.Device:
     """Returns the local ``jax.Device`` a TF-style device string names.
+
+    ``name`` is the argument's name in error messages.
 
     >>> resolve_device("/cpu:0") == jax.devices("cpu")[0]
     True
@@ -19,9 +22,15 @@ def resolve_device(device: "str | jax.Device") -> jax.Device:
     if isinstance(device, jax.Device):
         return device
     if not isinstance(device, str):
+        hint = ""
+        if isinstance(device, int) and not isinstance(device, bool):
+            hint = (
+                f" To name device {device} of the default backend, pass "
+                f"'/{_default_kind()}:{device}' or jax.devices()[{device}]."
+            )
         raise TypeError(
-            "A device must be a string such as '/gpu:0' or a jax.Device. "
-            f"Received: device={device!r}"
+            f"`{name}` must be a device string such as '/gpu:0' or a jax.Device."
+            f"{hint} Received: {name}={device!r}"
         )
     match = _DEVICE_RE.search(device.strip())
     platform = match and _KIND_TO_PLATFORM.get(match["kind"].lower())
@@ -29,7 +38,7 @@ def resolve_device(device: "str | jax.Device") -> jax.Device:
         raise ValueError(
             "Could not parse the device string. Expected a form such as '/gpu:0', "
             f"'GPU:1' or '/job:localhost/replica:0/task:0/device:CPU:0'. Received: "
-            f"device={device!r}"
+            f"{name}={device!r}"
         )
     index = int(match["index"])
     try:
@@ -40,23 +49,47 @@ def resolve_device(device: "str | jax.Device") -> jax.Device:
         available = [device_name(d) for d in jax.local_devices()]
         raise ValueError(
             f"Device {device!r} does not exist on this host. Available devices: "
-            f"{available}. Received: device={device!r}"
+            f"{available}. Received: {name}={device!r}"
         )
     return candidates[index]
 
 
-def resolve_devices(devices: "Sequence[str | jax.Device] | None") -> tuple:
-    """Resolves a list of devices; ``None`` means every local device."""
+def resolve_devices(devices: "Sequence[str | jax.Device] | None", name: str = "devices") -> tuple:
+    """Resolves a list of devices; ``None`` means every local device.
+
+    ``name`` is the argument's name in error messages.
+    """
     if devices is None:
         return tuple(jax.local_devices())
     if isinstance(devices, (str, jax.Device)):
         devices = [devices]
-    resolved = tuple(resolve_device(d) for d in devices)
+    if not isinstance(devices, Iterable):
+        hint = ""
+        if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+            kind = _default_kind()
+            names = ", ".join(f"'/{kind}:{i}'" for i in range(min(devices, 2)))
+            more = ", ..." if devices > 2 else ""
+            hint = (
+                f" It cannot be a number of devices: to use the first {devices}, pass "
+                f"jax.devices()[:{devices}] or [{names}{more}]."
+            )
+        raise TypeError(
+            f"`{name}` must be a list of device strings (such as '/gpu:0') or "
+            f"jax.Device objects.{hint} Received: {name}={devices!r}"
+        )
+    devices = list(devices)
+    resolved = tuple(resolve_device(d, f"{name}[{i}]") for i, d in enumerate(devices))
     if not resolved:
-        raise ValueError(f"At least one device is needed. Received: devices={devices!r}")
+        raise ValueError(f"At least one device is needed. Received: {name}={devices!r}")
     if len(set(resolved)) != len(resolved):
-        raise ValueError(f"Devices must not repeat. Received: devices={devices!r}")
+        raise ValueError(f"Devices must not repeat. Received: {name}={devices!r}")
     return resolved
+
+
+def _default_kind() -> str:
+    """The TF device kind of JAX's default backend ('cpu', 'gpu' or 'tpu')."""
+    platform = jax.default_backend()
+    return platform if platform in _KIND_TO_PLATFORM else "gpu"
 
 
 def device_name(device: jax.Device) -> str:

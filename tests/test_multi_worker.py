@@ -567,3 +567,21 @@ def test_a_restarted_cluster_gives_tf_results_after_a_crash(tmp_path):
         _reduce_after_worker_1_crashes_once, args=(marker,), max_restarts=1, failure_grace=60
     )
     assert results == [2.0, 2.0]
+
+
+def _uneven_data_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    task_id = strategy.cluster_resolver.task_id
+    with strategy.scope():
+        model = _tiny_model()
+    x, y = _regression_data(64 if task_id == 0 else 40)  # 4 batches of 16, or 3 (last 8)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+
+def test_workers_given_different_data_get_a_clear_error():
+    with pytest.raises(ValueError) as error:
+        _launch(_uneven_data_worker)
+    message = str(error.value)
+    assert "The workers were given different data" in message
+    assert "worker 0: 4 batches of 16 rows" in message
+    assert "worker 1: 3 batches of 16 rows (the last of 8)" in message

@@ -21,6 +21,8 @@
 """
 
 import collections
+import types
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -194,29 +196,43 @@ def _local_part(x):
 
 
 class _Entry:
-    """One compiled program and the variables it threads."""
+    """One compiled program and the variables it threads (held weakly).
+
+    A cached program must not keep a dropped model alive; when one of its
+    variables is gone the strategy's variable version has changed, and the
+    entry is never looked up again.
+    """
 
     def __init__(self, extended, lowered, mirrored, sync_on_read, foreign, record):
         self.extended = extended
         self.lowered = lowered  # kept for inspection: tests count collectives in it
         self.compiled = lowered.compile()
-        self.mirrored = mirrored
-        self.sync_on_read = sync_on_read
-        self.foreign = foreign
+        self._mirrored = [weakref.ref(v) for v in mirrored]
+        self._sync_on_read = [weakref.ref(v) for v in sync_on_read]
+        self._foreign = [weakref.ref(v) for v in foreign]
         self.out_treedef, self.out_layout, self.has_sum, self.stacked_out = record.out
+
+    def _variables(self, refs) -> list:
+        variables = [r() for r in refs]
+        if any(v is None for v in variables):
+            raise _StaleEntry()
+        return variables
 
     def __call__(self, dynamic):
         extended = self.extended
-        mirrored = [extended.compute_value(v) for v in self.mirrored]
-        sync_on_read = [v.stored() for v in self.sync_on_read]
+        mirrored_variables = self._variables(self._mirrored)
+        sync_on_read_variables = self._variables(self._sync_on_read)
+        foreign_variables = self._variables(self._foreign)
+        mirrored = [extended.compute_value(v) for v in mirrored_variables]
+        sync_on_read = [v.stored() for v in sync_on_read_variables]
         _copy_shared_buffers(mirrored, sync_on_read)
-        foreign = [self.extended.placement.replicate(v.value) for v in self.foreign]
-        new_mirrored, new_sync_on_read, outputs, sums, replicated = self.extended.placement.execute(
+        foreign = [extended.placement.replicate(v.value) for v in foreign_variables]
+        new_mirrored, new_sync_on_read, outputs, sums, replicated = extended.placement.execute(
             self.compiled, mirrored, sync_on_read, foreign, dynamic
         )
-        for variable, value in zip(self.mirrored, new_mirrored):
+        for variable, value in zip(mirrored_variables, new_mirrored):
             extended.store_computed(variable, value)
-        for variable, value in zip(self.sync_on_read, new_sync_on_read):
+        for variable, value in zip(sync_on_read_variables, new_sync_on_read):
             variable.store(value)
         return self._outputs(outputs, sums, replicated)
 
@@ -251,13 +267,59 @@ def _copy_shared_buffers(*lists):
             seen.add(id(value))
 
 
+class _StaleEntry(Exception):
+    """A cached program whose variables are gone (built again)."""
+
+
+class _FunctionKey:
+    """``fn`` in a cache key, without keeping it (and what it closes over) alive.
+
+    A bound method is made afresh at every attribute access: two are the same
+    key when they bind the same function to the same live object.
+    """
+
+    __slots__ = ("_refs", "_hash")
+
+    def __init__(self, fn):
+        parts = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn,)
+        self._refs = tuple(_weak_or_strong(p) for p in parts)
+        self._hash = hash(tuple(id(p) for p in parts))
+
+    def referents(self) -> tuple:
+        return tuple(r() for r in self._refs)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        if not isinstance(other, _FunctionKey) or self._hash != other._hash:
+            return False
+        mine, theirs = self.referents(), other.referents()
+        return (
+            None not in mine
+            and len(mine) == len(theirs)
+            and all(a is b for a, b in zip(mine, theirs))
+        )
+
+
+def _weak_or_strong(value):
+    try:
+        return weakref.ref(value)
+    except TypeError:  # builtins cannot be weakly referenced; they never die anyway
+        return lambda: value
+
+
 class CompiledEngine:
-    """Runs replica functions as one compiled SPMD program per input signature."""
+    """Runs replica functions as one compiled SPMD program per input signature.
+
+    The cache holds programs, not the objects they were traced from: functions
+    and variables are referenced weakly, so a dropped model is freed.
+    """
 
     def __init__(self, extended):
         self._extended = extended
         self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._foreign: dict = {}
+        self._foreign: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.trace_count = 0  # how many times a replica function was traced
 
     def run(self, fn, args, kwargs):
@@ -278,18 +340,38 @@ class CompiledEngine:
             kinds.append(kind)
             dynamic.append(array)
             signature.append((kind, array.shape, array.dtype, getattr(array, "weak_type", False)))
-        base_key = (fn, treedef, tuple(statics), tuple(signature))
+        base_key = (_FunctionKey(fn), treedef, tuple(statics), tuple(signature))
         key = base_key + (extended.variable_state().version, len(self._foreign))
         entry = self._cache.get(key)
-        if entry is None:
+        if entry is not None:
+            self._cache.move_to_end(key)
+            try:
+                return entry(dynamic)
+            except _StaleEntry:
+                del self._cache[key]
+        self._drop_dead_entries()
+        for _ in range(_MAX_TRACES_PER_SIGNATURE):
             entry = self._build(fn, treedef, leaves, kinds, dynamic)
             key = base_key + (extended.variable_state().version, len(self._foreign))
             self._cache[key] = entry
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return entry(dynamic)
+            try:
+                return entry(dynamic)
+            except _StaleEntry:
+                # Variables of a dropped model, still alive when the state was
+                # taken, were collected while it compiled: build without them.
+                del self._cache[key]
+        raise RuntimeError(
+            "Variables kept being freed while the replica function was compiled. "
+            f"Received: fn={fn!r}"
+        )
+
+    def _drop_dead_entries(self) -> None:
+        """Forgets programs of functions that are gone (their model was dropped)."""
+        dead = [k for k in self._cache if None in k[0].referents()]
+        for key in dead:
+            del self._cache[key]
 
     def _build(self, fn, treedef, leaves, kinds, dynamic):
         extended = self._extended

@@ -1,5 +1,7 @@
 """``NumpyDataset``: the rows of a nest of NumPy arrays, batched."""
 
+import numbers
+
 import jax
 import numpy as np
 
@@ -21,7 +23,17 @@ class NumpyDataset:
 
     def batch(self, batch_size: int, drop_remainder: bool = False) -> "NumpyDataset":
         """Groups rows into batches of ``batch_size`` (the last may be smaller)."""
-        return NumpyDataset(self._data, batch_size, drop_remainder)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+            raise TypeError(
+                "batch_size must be a positive integer: the number of rows in each "
+                f"batch, e.g. .batch(32). Received: batch_size={batch_size!r}"
+            )
+        if batch_size < 1:
+            raise ValueError(
+                "batch_size must be a positive integer: the number of rows in each "
+                f"batch, e.g. .batch(32). Received: batch_size={batch_size!r}"
+            )
+        return NumpyDataset(self._data, int(batch_size), drop_remainder)
 
     def __len__(self):
         if self._batch_size is None:

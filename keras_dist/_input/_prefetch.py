@@ -4,11 +4,18 @@ While a step runs, the next batches are read (and, for distributed datasets,
 split and transferred to the devices: ``jax.device_put`` is asynchronous), so
 an input pipeline that waits on storage costs little when its waits are no
 longer than the steps. The buffer is bounded; errors reach the consumer in
-order; closing the iterator (or dropping it) stops the thread.
+order.
+
+The thread never holds the ``Prefetch`` object itself, only its queue and stop
+flag: when the consumer drops the iterator (a ``break``, ``steps_per_epoch``,
+an exception), it is garbage-collected, its finalizer sets the flag, and the
+thread ends within one poll, releasing the batches it held. ``close()`` does
+the same at once.
 """
 
 import queue
 import threading
+import weakref
 
 _END = object()
 _POLL_SECONDS = 0.1  # how often a blocked producer checks whether it should stop
@@ -22,43 +29,28 @@ class Prefetch:
     """
 
     def __init__(self, iterable, buffer_size: int = 2, transform=None):
-        self._stop = threading.Event()
-        if buffer_size < 1:
-            raise ValueError(f"`buffer_size` must be at least 1. Received: {buffer_size}")
+        if not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ValueError(
+                "`buffer_size` must be an integer, at least 1. "
+                f"Received: buffer_size={buffer_size!r}"
+            )
         self._stop = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._done = False
         self._source, self._transform = iterable, transform
         self._thread = None  # started by the first `next`: nothing is read before it
+        # Stops the thread when this object is collected, without the thread holding it.
+        self._finalizer = weakref.finalize(self, _drain, self._stop, self._queue)
 
     def _start(self):
         self._thread = threading.Thread(
-            target=self._produce,
-            args=(iter(self._source), self._transform),
+            target=_produce,
+            args=(iter(self._source), self._transform, self._queue, self._stop),
             name="keras_dist-prefetch",
             daemon=True,
         )
+        self._source = None  # the thread owns the iterator now
         self._thread.start()
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self, source, transform):
-        try:
-            for item in source:
-                if transform is not None:
-                    item = transform(item)
-                if not self._put((item, None)):
-                    return
-            self._put((_END, None))
-        except BaseException as error:  # handed to the consumer, in order
-            self._put((_END, error))
 
     def __iter__(self):
         return self
@@ -71,14 +63,53 @@ class Prefetch:
         item, error = self._queue.get()
         if item is _END:
             self._done = True
+            self._finalizer()
             if error is not None:
                 raise error
             raise StopIteration
         return item
 
     def close(self) -> None:
-        """Stops reading ahead; the thread ends at its next item or poll."""
-        self._stop.set()
+        """Stops reading ahead and drops the batches read; the thread ends within a poll."""
+        self._done = True
+        self._finalizer()
 
-    def __del__(self):
-        self.close()
+    @property
+    def running(self) -> bool:
+        """Whether the read-ahead thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+
+def _drain(stop: threading.Event, items: queue.Queue) -> None:
+    stop.set()
+    try:
+        while True:
+            items.get_nowait()
+    except queue.Empty:
+        pass
+
+
+def _put(items: queue.Queue, stop: threading.Event, item) -> bool:
+    while not stop.is_set():
+        try:
+            items.put(item, timeout=_POLL_SECONDS)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(source, transform, items: queue.Queue, stop: threading.Event) -> None:
+    try:
+        for item in source:
+            if transform is not None:
+                item = transform(item)
+            if not _put(items, stop, (item, None)):
+                return
+        _put(items, stop, (_END, None))
+    except BaseException as error:  # handed to the consumer, in order
+        _put(items, stop, (_END, error))
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None and stop.is_set():
+            close()  # a generator stopped early runs its `finally` blocks now

@@ -58,8 +58,16 @@ class GlobalBatchSplitter:
                 f"shapes={[x.shape for x in leaves]}"
             )
         (size,) = sizes
+        if size == 0:
+            # Only a whole global batch with no rows is an error: a partial last
+            # batch smaller than the replica count still gives some replicas 0 rows.
+            raise ValueError(
+                "A global batch has 0 rows, so there is nothing to split between the "
+                "replicas. Remove empty batches from the dataset (or filter them out "
+                f"before distributing it). Received: shapes={[x.shape for x in leaves]}"
+            )
         n = self._extended.num_replicas_in_sync
-        if size and size % n == 0:
+        if size % n == 0:
             split = [self._stacked(x, n) for x in leaves]
         else:
             bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(size), n)])

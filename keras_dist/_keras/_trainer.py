@@ -39,8 +39,15 @@ class TrainingIntegration(Protocol):
     def make_steps(self, model, strategy):
         """An object with ``train_function``, ``test_function``, ``predict_function``."""
 
-    def host_batches(self, batches, read_ahead: bool):
-        """Keras's host batches as ``fit`` iterates them (read ahead or not)."""
+    def host_batches(self, batches, read_ahead: bool, layout: tuple):
+        """Keras's host batches as ``fit`` iterates them (read ahead or not).
+
+        ``layout`` is ``(steps, batch_size, last_partial_batch_size)`` as Keras's
+        data adapter knows them (``None`` where it does not).
+        """
+
+    def reading(self):
+        """A context for one loop: readers it opened are closed when it ends, however."""
 
 
 def _in_strategy() -> bool:
@@ -56,13 +63,16 @@ def _wrap_loop(original, training):
         if strategy is None:
             training.check_fit_context(self)
             return original(self, *args, **kwargs)
-        if original.__name__ == "fit":
-            # Keras shuffles with NumPy's global generator: across processes
-            # every worker must draw the same order (it keeps its replicas'
-            # pieces of each global batch).
-            strategy.extended.agree_on_host_random_state()
-        with strategy.scope():
-            return original(self, *args, **kwargs)
+        # One loop at a time per strategy: its steps donate every variable of
+        # the strategy, so another thread's step would delete this one's buffers.
+        with strategy.extended.lock:
+            if original.__name__ == "fit":
+                # Keras shuffles with NumPy's global generator: across processes
+                # every worker must draw the same order (it keeps its replicas'
+                # pieces of each global batch).
+                strategy.extended.agree_on_host_random_state()
+            with strategy.scope(), training.reading():
+                return original(self, *args, **kwargs)
 
     loop._keras_dist_hook = True
     return loop
@@ -110,9 +120,12 @@ def _wrap_get_iterator(original, training):
             # Host batches: the strategy splits and places them itself. They are
             # read ahead, except from a generator: Keras may start a new epoch
             # on the same generator, and batches read ahead would be lost.
-            batches = self.data_adapter.get_numpy_iterator()
-            from_generator = type(self.data_adapter).__name__ == "GeneratorDataAdapter"
-            return training.host_batches(batches, read_ahead=not from_generator)
+            adapter = self.data_adapter
+            batches = adapter.get_numpy_iterator()
+            from_generator = type(adapter).__name__ == "GeneratorDataAdapter"
+            layout = (self.steps_per_epoch or adapter.num_batches, adapter.batch_size)
+            layout += (adapter.partial_batch_size if adapter.has_partial_batch else 0,)
+            return training.host_batches(batches, read_ahead=not from_generator, layout=layout)
         return original(self)
 
     return get_iterator

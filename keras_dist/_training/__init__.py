@@ -4,13 +4,18 @@
 handed to them when keras_dist installs its hooks.
 """
 
+import contextlib
+import threading
+
 from keras_dist import _config
+from keras_dist import _context
 from keras_dist._input import Prefetch
 from keras_dist._training._optimizer_apply import (
     apply_in_replica_context as apply_in_replica_context,
 )
 from keras_dist._training._steps import DistributedSteps as DistributedSteps
 from keras_dist._training._steps import check_fit_context as check_fit_context
+from keras_dist._training._steps import check_same_batches_on_every_worker
 from keras_dist._training._steps import model_strategy as model_strategy
 from keras_dist._training._value_and_grad import value_and_grad as value_and_grad
 
@@ -25,12 +30,32 @@ class _KerasIntegration:
     def make_steps(model, strategy) -> DistributedSteps:
         return DistributedSteps(model, strategy)
 
-    @staticmethod
-    def host_batches(batches, read_ahead: bool):
+    def __init__(self):
+        self._open = threading.local()
+
+    def host_batches(self, batches, read_ahead: bool, layout: tuple):
+        check_same_batches_on_every_worker(_context.get_strategy().extended, layout)
         size = _config.prefetch_buffer_size()
-        if size and read_ahead:
-            return Prefetch(batches, buffer_size=size)
-        return batches
+        if not (size and read_ahead):
+            return batches
+        reader = Prefetch(batches, buffer_size=size)
+        readers = getattr(self._open, "readers", None)
+        if readers is not None:
+            readers.append(reader)
+        return reader
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Closes the read-ahead threads a loop opened, whatever ends it (an early
+        stop, ``steps_per_epoch``, a callback that raises)."""
+        outer = getattr(self._open, "readers", None)
+        self._open.readers = []
+        try:
+            yield
+        finally:
+            readers, self._open.readers = self._open.readers, outer
+            for reader in readers:
+                reader.close()
 
 
 KERAS_INTEGRATION = _KerasIntegration()

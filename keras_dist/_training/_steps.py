@@ -91,6 +91,38 @@ def _first_component(value):
     return value
 
 
+def check_same_batches_on_every_worker(extended, layout) -> None:
+    """Fails clearly when the workers' data would give them different steps.
+
+    Every worker reads the same global batches and keeps its replicas' pieces;
+    a worker with more batches, or another partial last batch, would wait in a
+    collective the others never join (gloo then aborts: "Received data size
+    doesn't match"). One small collective per epoch compares the layouts.
+    """
+    if not extended.spans_processes:
+        return
+    mine = np.asarray([-1 if v is None else int(v) for v in layout], np.int64)
+    rows = np.zeros((extended.num_workers, len(mine)), np.int64)
+    rows[extended.worker_index] = mine
+    everyone = np.asarray(extended.placement.cross_process_sum(rows))
+    if (everyone == everyone[0]).all():
+        return
+
+    def describe(row):
+        steps, batch, last = (None if v < 0 else int(v) for v in row)
+        text = f"{steps} batches of {batch} rows"
+        return text + (f" (the last of {last})" if last else "")
+
+    raise ValueError(
+        "The workers were given different data: every worker must pass the same "
+        "inputs to `fit`/`evaluate`/`predict` (each keeps its replicas' pieces of every "
+        "global batch), with the same batch size and steps. Give each worker the whole "
+        "dataset, or use `distribute_datasets_from_function` for per-worker data. "
+        "Received: "
+        + "; ".join(f"worker {i}: {describe(row)}" for i, row in enumerate(everyone))
+    )
+
+
 class DistributedSteps:
     """The train/test/predict functions Keras's loops call, for one model and strategy."""
 
@@ -138,7 +170,7 @@ class DistributedSteps:
 
     # ------------------------------------------------------------------ train
     def _train_batch(self, data):
-        rows = batch_rows(data)
+        rows = _nonempty_rows(data, "`model.fit`")
         split = self._split(data)
         if self._is_uneven(split):
             return self._uneven.train(split, rows)
@@ -170,6 +202,7 @@ class DistributedSteps:
 
     # ------------------------------------------------------------------- test
     def _test_batch(self, data):
+        _nonempty_rows(data, "`model.evaluate` (or `fit`'s validation)")
         split = self._split(data)
         if self._is_uneven(split):
             return self._uneven.test(split)
@@ -198,7 +231,7 @@ class DistributedSteps:
 
     # ---------------------------------------------------------------- predict
     def _predict_batch(self, data):
-        rows = batch_rows(data)
+        rows = _nonempty_rows(data, "`model.predict`")
         extended = self.strategy.extended
         n = extended.num_replicas_in_sync
         # Pad to the first batch's size (one compiled program for every batch,
@@ -223,6 +256,19 @@ class DistributedSteps:
         )
         outputs, _ = model.predict_step(state, data)
         return outputs
+
+
+def _nonempty_rows(data, caller) -> int:
+    """The rows of a global batch; 0 rows would divide the loss scale by zero."""
+    rows = batch_rows(data)
+    if rows == 0:
+        raise ValueError(
+            f"{caller} received a batch with 0 rows from its dataset. Every "
+            "batch needs at least one row: make the dataset (generator, PyDataset, "
+            "...) skip empty batches. Received: batch shapes="
+            f"{[np.shape(x) for x in jax.tree_util.tree_leaves(data)]}"
+        )
+    return rows
 
 
 def _had_uneven(per_replica_logs) -> bool:

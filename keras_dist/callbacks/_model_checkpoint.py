@@ -1,9 +1,16 @@
-"""``ModelCheckpoint``: Keras's callback, writing at the user's path on the chief only."""
+"""``ModelCheckpoint``: Keras's callback, writing at the user's path on the chief only.
 
+Each file is written under a temporary name beside its destination and renamed
+into place (``_atomic_files``): a process killed while saving leaves the
+previous checkpoint, never half of a new one.
+"""
+
+import contextlib
 import os
 
 import keras
 
+from keras_dist import _atomic_files
 from keras_dist.callbacks import _role
 
 
@@ -14,7 +21,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     or ``.weights.h5``) with tf.keras's multi-worker behaviour: every worker
     saves, since saving reads variables, but only the chief at ``filepath``;
     the others save into ``<dir>/workertemp_<task_id>/``, deleted right after.
-    In one process it is Keras's callback.
+    In one process it is Keras's callback. Every file appears whole: it is
+    written under a temporary name and renamed into place.
 
     >>> import os, tempfile, keras, numpy as np
     >>> from keras_dist.callbacks import ModelCheckpoint
@@ -42,7 +50,30 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._save_role = _role.process_role(self.model)
         self._write_filepath = None
         try:
-            super()._save_model(epoch, batch, logs)
+            with _saving_atomically(self.model):
+                super()._save_model(epoch, batch, logs)
         finally:
             if self._write_filepath is not None:
                 self._save_role.remove_temp_dir_with_filepath(self._write_filepath)
+
+
+@contextlib.contextmanager
+def _saving_atomically(model):
+    """``model.save`` and ``model.save_weights`` write a temporary file, then rename it."""
+
+    def atomic(save):
+        def write(filepath, *args, **kwargs):
+            with _atomic_files.replaced_atomically(str(filepath)) as temporary:
+                return save(temporary, *args, **kwargs)
+
+        return write
+
+    # Set on the instance's __dict__: Keras's attribute tracking is not involved.
+    originals = {name: getattr(model, name) for name in ("save", "save_weights")}
+    for name, save in originals.items():
+        model.__dict__[name] = atomic(save)
+    try:
+        yield
+    finally:
+        for name in originals:
+            model.__dict__.pop(name, None)

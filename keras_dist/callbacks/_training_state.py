@@ -12,21 +12,52 @@ slots and iteration counter). Resuming exactly also needs what it leaves out:
 * where to resume (``epoch``, and ``batch``: how many batches of that epoch
   are trained) and the last logs, shown for the batches skipped on resume.
 
-The metadata file is written last: a backup without it is not read.
+A backup is one directory, replaced as a unit. A save writes a new directory
+beside it (``<dir>.staging-<id>``): the weights, the state, and last the metadata
+with every file's SHA-256, each fsynced. Then the old directory is renamed
+aside, the new one into its place, and the old one removed (or, with
+``double_checkpoint``, kept as ``<dir>.previous``). A process killed at any
+moment leaves either the old backup, the new one, or both complete; a restore
+verifies the checksums and falls back to the next complete copy when one
+cannot be read.
 """
 
 import dataclasses
+import glob
 import json
 import os
-import shutil
+import uuid
+import zipfile
 
 import numpy as np
+
+from keras_dist import _atomic_files
 
 WEIGHTS = "latest.weights.h5"
 STATE = "training_state.npz"
 METADATA = "training_metadata.json"
-_FILES = (WEIGHTS, STATE, METADATA)
-_BACKUP_SUFFIX = ".bkp"
+PREVIOUS = ".previous"  # the backup before the latest, kept with ``double_checkpoint``
+_STAGING = ".staging-"  # a backup being written
+_RETIRING = ".retiring-"  # the replaced backup, between the two renames
+# What a backup that cannot be decoded raises (h5py raises OSError or RuntimeError).
+_UNREADABLE = (
+    OSError,
+    RuntimeError,
+    ValueError,
+    KeyError,
+    EOFError,
+    zipfile.BadZipFile,
+    json.JSONDecodeError,
+    UnicodeDecodeError,
+)
+
+
+class BackupUnreadableError(RuntimeError):
+    """No copy of a training backup could be read."""
+
+
+class _ChecksumMismatch(ValueError):
+    pass
 
 
 @dataclasses.dataclass
@@ -49,14 +80,24 @@ def _scalar_logs(logs) -> dict:
 
 
 def save(model, dirpath, *, epoch, batch, batches_since_save, logs, rng_state, double_checkpoint):
-    """Writes a backup of ``model`` into ``dirpath`` (every process calls this)."""
-    os.makedirs(dirpath, exist_ok=True)
-    paths = [os.path.join(dirpath, name) for name in _FILES]
-    if double_checkpoint:
-        for path in paths:
-            if os.path.exists(path):
-                shutil.copyfile(path, path + _BACKUP_SUFFIX)
-    model.save_weights(paths[0], overwrite=True)
+    """Writes a backup of ``model`` as the directory ``dirpath``, replacing it as a unit.
+
+    Every process calls this (non-chiefs into a directory they remove after).
+    """
+    dirpath = os.path.abspath(dirpath)
+    os.makedirs(os.path.dirname(dirpath), exist_ok=True)
+    staging = f"{dirpath}{_STAGING}{uuid.uuid4().hex[:12]}"
+    os.makedirs(staging)
+    try:
+        _write(model, staging, epoch, batch, batches_since_save, logs, rng_state)
+        _install(staging, dirpath, keep_previous=double_checkpoint)
+    finally:
+        _atomic_files.remove_tree(staging)  # gone already unless something failed
+
+
+def _write(model, staging, epoch, batch, batches_since_save, logs, rng_state):
+    weights = os.path.join(staging, WEIGHTS)
+    model.save_weights(weights, overwrite=True)
     arrays = {}
     for i, variable in enumerate(model.non_trainable_variables):
         arrays[f"non_trainable_{i}"] = np.asarray(variable)
@@ -65,40 +106,98 @@ def save(model, dirpath, *, epoch, batch, batches_since_save, logs, rng_state, d
     _, keys, position, has_gauss, cached_gaussian = rng_state
     arrays["rng_keys"] = np.asarray(keys)
     arrays["rng_rest"] = np.asarray([position, has_gauss, cached_gaussian], dtype=np.float64)
-    with open(paths[1], "wb") as f:
+    state = os.path.join(staging, STATE)
+    with open(state, "wb") as f:
         np.savez(f, **arrays)
+    for path in (weights, state):
+        _atomic_files.fsync_file(path)
     metadata = {
         "epoch": int(epoch),
         "batch": int(batch),
         "batches_since_save": int(batches_since_save),
         "logs": _scalar_logs(logs),
+        "sha256": {
+            name: _atomic_files.sha256(os.path.join(staging, name)) for name in (WEIGHTS, STATE)
+        },
     }
-    with open(paths[2], "w") as f:
-        json.dump(metadata, f)
+    _atomic_files.write_json(os.path.join(staging, METADATA), metadata)
+    _atomic_files.fsync_dir(staging)
+
+
+def _install(staging, dirpath, keep_previous):
+    """Puts the complete backup ``staging`` in place of ``dirpath``."""
+    parent = os.path.dirname(dirpath)
+    retiring = f"{dirpath}{_RETIRING}{uuid.uuid4().hex[:12]}"
+    if os.path.exists(dirpath):
+        os.rename(dirpath, retiring)
+    os.rename(staging, dirpath)
+    _atomic_files.fsync_dir(parent)
+    if os.path.exists(retiring):
+        if keep_previous:
+            _atomic_files.remove_tree(dirpath + PREVIOUS)
+            os.rename(retiring, dirpath + PREVIOUS)
+        else:
+            _atomic_files.remove_tree(retiring)
+        _atomic_files.fsync_dir(parent)
+    for leftover in _siblings(dirpath, _STAGING) + _siblings(dirpath, _RETIRING):
+        _atomic_files.remove_tree(leftover)  # from saves killed part-way
+
+
+def _siblings(dirpath, mark) -> list:
+    """``<dirpath><mark>*`` directories, newest first."""
+    found = glob.glob(glob.escape(dirpath + mark) + "*")
+    return sorted(found, key=os.path.getmtime, reverse=True)
+
+
+def _candidates(dirpath) -> list:
+    """Every complete-looking copy of the backup, the newest first.
+
+    The latest is ``dirpath``; a save killed between its two renames leaves
+    the new copy staged and the old one retiring; ``double_checkpoint`` keeps
+    the previous one.
+    """
+    copies = [dirpath] + _siblings(dirpath, _STAGING) + _siblings(dirpath, _RETIRING)
+    copies.append(dirpath + PREVIOUS)
+    return [c for c in copies if os.path.exists(os.path.join(c, METADATA))]
 
 
 def load(model, dirpath, *, double_checkpoint) -> "Restored | None":
     """Restores the backup in ``dirpath`` into ``model`` and NumPy; ``None`` if there is none.
 
-    With ``double_checkpoint``, a backup that fails to load is replaced by the
-    previous one.
+    A copy that cannot be read (a checksum that does not match, a decoder
+    error) is skipped for the next complete one; if none can be read, raises
+    ``BackupUnreadableError`` naming the directory and what to do.
     """
-    if not os.path.exists(os.path.join(dirpath, METADATA)):
+    dirpath = os.path.abspath(dirpath)
+    candidates = _candidates(dirpath)
+    if not candidates:
         return None
-    try:
-        return _load(model, dirpath)
-    except (OSError, ValueError, KeyError):
-        previous = [os.path.join(dirpath, name + _BACKUP_SUFFIX) for name in _FILES]
-        if not double_checkpoint or not all(os.path.exists(p) for p in previous):
+    failures = []
+    for candidate in candidates:
+        try:
+            _verify(candidate)
+            return _load(model, candidate)
+        except _CountMismatch:
             raise
-        for path in previous:
-            shutil.copyfile(path, path[: -len(_BACKUP_SUFFIX)])
-        return _load(model, dirpath)
+        except _UNREADABLE as error:
+            failures.append(f"{candidate}: {type(error).__name__}: {error}")
+    raise BackupUnreadableError(
+        f"The training backup in {os.path.dirname(dirpath)!r} cannot be read: every copy "
+        "is damaged. Delete that directory to train from the start (or restore it from "
+        "a copy of your own). Received: " + "; ".join(failures)
+    )
+
+
+def _verify(candidate):
+    checksums = _atomic_files.read_json(os.path.join(candidate, METADATA)).get("sha256")
+    for name, expected in (checksums or {}).items():
+        actual = _atomic_files.sha256(os.path.join(candidate, name))
+        if actual != expected:
+            raise _ChecksumMismatch(f"{name} does not match its checksum")
 
 
 def _load(model, dirpath) -> Restored:
-    with open(os.path.join(dirpath, METADATA)) as f:
-        metadata = json.load(f)
+    metadata = _atomic_files.read_json(os.path.join(dirpath, METADATA))
     if model.optimizer is not None and not model.optimizer.built:
         # The optimizer's variables must exist for its saved ones to load.
         model.optimizer.build(model.trainable_variables)
@@ -132,9 +231,13 @@ def _numbered(arrays, prefix) -> list:
     return [arrays[f"{prefix}{i}"] for i in range(count)]
 
 
+class _CountMismatch(ValueError):
+    """A readable backup of another model: not a damaged copy to skip."""
+
+
 def _check_count(kind, values, variables, dirpath):
     if len(values) != len(variables):
-        raise ValueError(
+        raise _CountMismatch(
             f"The backup in {dirpath!r} holds {len(values)} {kind} variables but the model "
             f"has {len(variables)}: it was written by another model or compile() "
             "configuration. Resume with the same model, or delete the backup directory. "
@@ -143,8 +246,9 @@ def _check_count(kind, values, variables, dirpath):
 
 
 def delete(dirpath) -> None:
-    """Removes a backup, its metadata first, so that a reader never sees half of one."""
-    metadata = os.path.join(dirpath, METADATA)
-    if os.path.exists(metadata):
-        os.remove(metadata)
-    shutil.rmtree(dirpath, ignore_errors=True)
+    """Removes a backup and every copy of it, the latest first (a reader then finds none)."""
+    dirpath = os.path.abspath(dirpath)
+    for copy in [dirpath] + _siblings(dirpath, _STAGING) + _siblings(dirpath, _RETIRING):
+        _atomic_files.remove_tree(os.path.join(copy, METADATA))
+        _atomic_files.remove_tree(copy)
+    _atomic_files.remove_tree(dirpath + PREVIOUS)

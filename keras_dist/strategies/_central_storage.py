@@ -44,9 +44,9 @@ class CentralStorageStrategy(Strategy):
     """
 
     def __init__(self, compute_devices=None, parameter_device=None):
-        devices = resolve_devices(compute_devices)
+        devices = resolve_devices(compute_devices, "compute_devices")
         parameter = (
-            resolve_device(parameter_device)
+            resolve_device(parameter_device, "parameter_device")
             if parameter_device is not None
             else _default_parameter_device(devices)
         )

@@ -19,7 +19,7 @@ several cores) plugs in by implementing it. The members, by concern:
   asks when it creates a variable), ``create_variable``, ``variable_state``,
   ``compute_value``, ``store_computed``, ``sync_initial_values``.
 * **Execution**: ``call_for_each_replica`` (the engine that runs ``fn`` per
-  replica), ``default_replica_context``.
+  replica), ``default_replica_context``, ``lock`` (one thread at a time).
 * **Reductions and broadcasts**: ``reduce_to``, ``batch_reduce_to``,
   ``broadcast_to``, ``update``, ``reduce_value``, ``gather_value``,
   ``distribute_values_from_function``, ``unwrap_mirrored``, ``one_value``,
@@ -34,6 +34,7 @@ call them from a ``merge_call``.
 
 import abc
 import contextlib
+import threading
 from typing import Any
 
 from keras_dist import _context
@@ -69,6 +70,7 @@ class StrategyExtended(abc.ABC):
 
     def __init__(self, container_strategy):
         self._container_strategy_ref = container_strategy
+        self._lock = threading.RLock()
 
     def _container_strategy(self):
         return self._container_strategy_ref
@@ -197,6 +199,15 @@ class StrategyExtended(abc.ABC):
     @abc.abstractmethod
     def call_for_each_replica(self, fn, args=(), kwargs=None, *, eagerly=False):
         """Runs ``fn`` once per replica; ``strategy.run``. ``eagerly`` forces the eager engine."""
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Serializes calls into this strategy from several threads (``run``, ``fit``).
+
+        A step donates every variable of the strategy to its program, so two
+        threads running steps at once would each delete the other's buffers.
+        """
+        return self._lock
 
     @property
     def default_replica_context(self):

@@ -165,9 +165,10 @@ class MeshExtended(StrategyExtended):
                 f"{type(strategy).__name__} was called inside a scope of "
                 f"{type(outer).__name__}. Received: strategy={strategy!r}"
             )
-        if eagerly or _config.functions_run_eagerly() or _has_uneven_components((args, kwargs)):
-            return self._eager.run(fn, args, kwargs)
-        return self._compiled.run(fn, args, kwargs)
+        with self._lock:
+            if eagerly or _config.functions_run_eagerly() or _has_uneven_components((args, kwargs)):
+                return self._eager.run(fn, args, kwargs)
+            return self._compiled.run(fn, args, kwargs)
 
     # --------------------------------------------- reductions and broadcasts
     @property

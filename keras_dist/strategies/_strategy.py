@@ -7,8 +7,10 @@ the message.
 """
 
 import contextlib
+import operator
 
 import jax
+import numpy as np
 
 from keras_dist import _context
 from keras_dist._input import DistributedDataset
@@ -91,6 +93,8 @@ class Strategy:
         """
         reduce_op = ReduceOp.from_value(reduce_op)
         require_cross_replica("reduce")
+        if axis is not None:
+            axis = _checked_axis("reduce", value, axis)
         return self._extended.reduce_value(reduce_op, value, axis)
 
     def experimental_local_results(self, value) -> tuple:
@@ -118,6 +122,7 @@ class Strategy:
         Call in cross-replica context; in a replica use ``ReplicaContext.all_gather``.
         """
         require_cross_replica("gather")
+        axis = _checked_axis("gather", value, axis)
         return self._extended.gather_value(value, axis)
 
     def experimental_distribute_values_from_function(self, value_fn):
@@ -151,6 +156,55 @@ class Strategy:
 
     def __repr__(self):
         return f"{type(self).__name__}(devices={list(self._extended.worker_devices)})"
+
+
+def _checked_axis(method, value, axis) -> int:
+    """``axis`` as an int within one replica's rank (negative counts from the end)."""
+    none_ok = " (or None)" if method == "reduce" else ""
+    try:
+        if isinstance(axis, bool):
+            raise TypeError
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(
+            f"`strategy.{method}` needs `axis` to be an integer{none_ok}: the axis of "
+            f"each replica's value to {method} along, e.g. axis=0. Received: "
+            f"axis={axis!r} of type {type(axis).__name__}"
+        ) from None
+    rank = _per_replica_rank(value)
+    if rank is None or -rank <= axis < rank:
+        return axis
+    if rank == 0:
+        fix = (
+            "pass axis=None to only combine the replicas"
+            if method == "reduce"
+            else "give each replica a value of rank 1 or more, e.g. x[None]"
+        )
+        reason = f"the per-replica values are scalars (rank 0), so there is no axis; {fix}"
+    else:
+        reason = (
+            f"it must be in [-{rank}, {rank}) for per-replica values of rank {rank} "
+            "(negative values count from the last axis)"
+        )
+    raise ValueError(
+        f"`strategy.{method}` got an axis out of range: {reason}. "
+        f"Received: axis={axis}, per-replica rank={rank}"
+    )
+
+
+def _per_replica_rank(value):
+    """The rank of one replica's component of ``value``; ``None`` for a nest."""
+    if isinstance(value, DistributedValues):
+        if value.traced is not None:
+            return np.ndim(value.traced.local)
+        if value.stacked is not None:
+            return value.stacked.ndim - 1
+        if value.replicated is not None:
+            return np.ndim(value.replicated)
+        value = value.values[0]
+    if hasattr(value, "ndim") or isinstance(value, (int, float, complex)):
+        return np.ndim(value)
+    return None  # a nest or a list: left to the reduction itself
 
 
 def _is_nest_of_distributed(value) -> bool:

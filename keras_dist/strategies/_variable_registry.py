@@ -23,12 +23,30 @@ from keras_dist._values._variables import SyncOnReadVariable
 
 
 class VariableState:
-    """The variables a strategy created, split by kind, in creation order."""
+    """The variables a strategy created, split by kind, in creation order.
+
+    Held weakly: a cached state must not keep a dropped model's variables
+    alive (their death is what changes ``version``).
+    """
 
     def __init__(self, version, mirrored, sync_on_read):
         self.version = version
-        self.mirrored = mirrored
-        self.sync_on_read = sync_on_read
+        self._mirrored = [weakref.ref(v) for v in mirrored]
+        self._sync_on_read = [weakref.ref(v) for v in sync_on_read]
+
+    @property
+    def mirrored(self) -> list:
+        """The live ``MirroredVariable`` s with values."""
+        return _live(self._mirrored)
+
+    @property
+    def sync_on_read(self) -> list:
+        """The live ``SyncOnReadVariable`` s with values."""
+        return _live(self._sync_on_read)
+
+
+def _live(refs) -> list:
+    return [v for v in (r() for r in refs) if v is not None]
 
 
 class VariableRegistry:

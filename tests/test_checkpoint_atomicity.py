@@ -1,0 +1,215 @@
+"""Checkpoints survive being killed while they are written.
+
+A process killed with SIGKILL at a random moment of a ``save_freq=1`` run must
+never make the restart fail, nor resume from half of one backup and half of
+another: the run that finally completes ends with the weights of a run that
+was never interrupted. A damaged backup falls back to the previous copy, or
+fails with one clear error naming the directory.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+
+import keras_dist as kd
+from keras_dist.callbacks import BackupAndRestore
+from keras_dist.callbacks import ModelCheckpoint
+from keras_dist.callbacks import _training_state
+
+_SCRIPT = r'''
+"""Trains under MirroredStrategy with BackupAndRestore(save_freq=1), then saves the weights."""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import keras_dist as kd  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+rng = np.random.RandomState(0)
+X = rng.rand(96, 6).astype("float32")
+Y = (X @ rng.rand(6, 1)).astype("float32")
+
+
+EPOCHS = 40
+
+
+class Training(keras.callbacks.Callback):
+    """Tells the parent when the first step of this run is done."""
+
+    def __init__(self):
+        super().__init__()
+        self.told = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.told:
+            print("TRAINING", flush=True)
+            self.told = True
+
+
+def main(backup_dir, out):
+    keras.utils.set_random_seed(3)
+    strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dropout(0.1), keras.layers.Dense(1),
+        ])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    backup = kd.callbacks.BackupAndRestore(backup_dir, save_freq=1, delete_checkpoint=False)
+    model.fit(X, Y, batch_size=8, epochs=EPOCHS, callbacks=[backup, Training()], verbose=0)
+    np.savez(out, *model.get_weights())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+'''
+
+
+def _start(script, backup_dir, out, log):
+    with open(log, "a") as stderr:
+        return subprocess.Popen(
+            [sys.executable, str(script), str(backup_dir), str(out)],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+
+
+def _weights(path):
+    with np.load(path) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def _finish(process, log, timeout=300):
+    try:
+        process.wait(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, open(log).read()
+
+
+@pytest.mark.stress
+def test_ten_sigkills_while_saving_every_step_never_break_the_resume(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    log = tmp_path / "log.txt"
+    reference = tmp_path / "reference.npz"
+    _finish(_start(script, tmp_path / "uninterrupted", reference, log), log)
+
+    backup_dir, out = tmp_path / "backup", tmp_path / "resumed.npz"
+    rng = random.Random(20261122)
+    killed = 0
+    for _ in range(10):
+        process = _start(script, backup_dir, out, log)
+        line = process.stdout.readline()  # "TRAINING": this run trained its first step
+        if not line:  # the run ended before a step: it had nothing left to train
+            process.wait(timeout=60)
+            assert process.returncode == 0, open(log).read()
+            break
+        time.sleep(rng.uniform(0.0, 0.6))
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            killed += 1
+        process.wait(timeout=60)
+        # Killed, or it finished the run: never an error of its own.
+        assert process.returncode in (0, -signal.SIGKILL), open(log).read()
+        if process.returncode == 0:
+            break
+    assert killed >= 8
+    if not out.exists():
+        _finish(_start(script, backup_dir, out, log), log)
+    for got, expected in zip(_weights(out), _weights(reference)):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def _model(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def _fit(model, callbacks, epochs):
+    x = np.random.RandomState(1).rand(16, 3).astype("float32")
+    return model.fit(x, x.sum(1), batch_size=4, epochs=epochs, callbacks=callbacks, verbose=0)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        ("latest.weights.h5", b"not an h5 file"),
+        ("latest.weights.h5", b""),
+        ("training_state.npz", b"PK\x03\x04 truncated"),
+        ("training_state.npz", b""),
+        ("training_metadata.json", b'{"epoch": 2, "batch'),
+        ("training_metadata.json", b"\xff\xfe\x00"),
+    ],
+    ids=lambda d: f"{d[0]}={d[1][:8]!r}",
+)
+def test_a_damaged_latest_backup_falls_back_to_the_previous_one(tmp_path, damage):
+    strategy = kd.MirroredStrategy(cpus(2))
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, double_checkpoint=True)
+    _fit(_model(strategy), [backup], epochs=2)
+    name, data = damage
+    (tmp_path / "chief" / name).write_bytes(data)
+    # The previous copy is the end of epoch 1: training resumes with epoch 2.
+    assert _fit(_model(strategy), [backup], epochs=3).epoch == [1, 2]
+
+
+def test_a_backup_with_no_readable_copy_names_its_directory(tmp_path):
+    strategy = kd.MirroredStrategy(cpus(2))
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    _fit(_model(strategy), [backup], epochs=1)
+    (tmp_path / "chief" / "training_state.npz").write_bytes(b"")
+    with pytest.raises(_training_state.BackupUnreadableError) as error:
+        _fit(_model(strategy), [backup], epochs=2)
+    message = str(error.value)
+    assert str(tmp_path) in message and "Delete that directory" in message
+    assert "training_state.npz does not match its checksum" in message
+
+
+def test_a_save_killed_between_its_renames_resumes_from_a_complete_copy(tmp_path):
+    strategy = kd.MirroredStrategy(cpus(2))
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    _fit(_model(strategy), [backup], epochs=2)
+    chief = tmp_path / "chief"
+    # What a kill between "old aside" and "new in place" leaves: no `chief/`, the
+    # complete old copy retiring and a half-written staging copy (no metadata).
+    os.rename(chief, str(chief) + ".retiring-0123")
+    os.makedirs(str(chief) + ".staging-4567")
+    (tmp_path / "chief.staging-4567" / "latest.weights.h5").write_bytes(b"half")
+    assert _fit(_model(strategy), [backup], epochs=3).epoch == [2]
+    assert sorted(os.listdir(tmp_path)) == ["chief"]  # leftovers removed by the next save
+
+
+def test_model_checkpoint_never_leaves_half_a_file(tmp_path):
+    strategy = kd.MirroredStrategy(cpus(2))
+    path = tmp_path / "model.keras"
+    model = _model(strategy)
+    _fit(model, [ModelCheckpoint(str(path))], epochs=1)
+    good = path.read_bytes()
+
+    class Crash(Exception):
+        pass
+
+    def crashing_save(filepath, *args, **kwargs):
+        with open(filepath, "wb") as f:
+            f.write(b"half of a zip")
+        raise Crash()
+
+    model.save = crashing_save  # Keras's writer dies part-way
+    with pytest.raises(Crash):
+        _fit(model, [ModelCheckpoint(str(path))], epochs=1)
+    assert path.read_bytes() == good
+    assert sorted(os.listdir(tmp_path)) == ["model.keras"]  # no temporary file left
+    assert keras.saving.load_model(path).count_params() == model.count_params()

@@ -1,0 +1,195 @@
+"""Nothing leaks: read-ahead threads end, dropped models are freed, threads are serialized."""
+
+import gc
+import threading
+import time
+
+import jax
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+
+import keras_dist as kd
+from keras_dist._values._variables import DistributedVariable
+
+
+def _prefetch_threads() -> int:
+    return sum(t.name == "keras_dist-prefetch" for t in threading.enumerate())
+
+
+def _settled_thread_count(deadline=5.0) -> int:
+    """The thread count once stopped read-ahead threads have ended (each within a poll)."""
+    gc.collect()
+    end = time.monotonic() + deadline
+    while _prefetch_threads() and time.monotonic() < end:
+        time.sleep(0.02)
+    return threading.active_count()
+
+
+def _model(strategy, features=8):
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((features,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+        )
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    return model
+
+
+def _data(rows=96, features=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((rows, features), dtype=np.float32), rng.integers(0, 3, rows)
+
+
+def test_forty_early_breaks_leave_no_read_ahead_thread():
+    strategy = kd.MirroredStrategy(cpus(2))
+    batches = [np.full((4, 2), i, np.float32) for i in range(10)]
+    dataset = strategy.experimental_distribute_dataset(batches)
+    before = _settled_thread_count()
+    for _ in range(40):
+        for step, batch in enumerate(dataset):
+            if step == 1:
+                break
+    assert abs(_settled_thread_count() - before) <= 2
+    assert _prefetch_threads() == 0
+
+
+def test_an_abandoned_iterator_stops_its_thread_without_a_collection():
+    strategy = kd.MirroredStrategy(cpus(2))
+    batches = [np.full((4, 2), i, np.float32) for i in range(10)]
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+    first = next(iterator)
+    assert [float(v[0, 0]) for v in strategy.experimental_local_results(first)] == [0.0, 0.0]
+    assert _prefetch_threads() == 1
+    del iterator  # no gc.collect(): dropping the last reference is enough
+    end = time.monotonic() + 5
+    while _prefetch_threads() and time.monotonic() < end:
+        time.sleep(0.02)
+    assert _prefetch_threads() == 0
+
+
+class _StopAfterTwoBatches(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            self.model.stop_training = True
+
+
+class _RaiseAtSecondBatch(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise RuntimeError("stop here")
+
+
+def test_fit_closes_its_read_ahead_however_the_loop_ends():
+    strategy = kd.MirroredStrategy(cpus(2))
+    model = _model(strategy)
+    x, y = _data()
+    before = _settled_thread_count()
+    model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=3, verbose=0)
+    model.fit(x, y, batch_size=8, epochs=3, callbacks=[_StopAfterTwoBatches()], verbose=0)
+    model.evaluate(x, y, batch_size=8, steps=2, verbose=0)
+    y_nan = np.full_like(x, np.nan)
+    model.fit(y_nan, y, batch_size=8, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0)
+    with pytest.raises(RuntimeError, match="stop here"):
+        model.fit(x, y, batch_size=8, callbacks=[_RaiseAtSecondBatch()], verbose=0)
+    # The raised error's traceback still holds the loop's frames: the loop closed
+    # its readers itself, it did not wait for them to be collected.
+    assert _prefetch_threads() == 0
+    assert abs(_settled_thread_count() - before) <= 2
+
+
+def _live_distributed_variables() -> int:
+    return sum(isinstance(o, DistributedVariable) for o in gc.get_objects())
+
+
+def test_building_fitting_and_dropping_models_keeps_memory_flat():
+    strategy = kd.MirroredStrategy(cpus(4))
+    x, y = _data()
+    arrays = []
+    for _ in range(16):
+        model = _model(strategy)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        del model
+        gc.collect()
+        arrays.append(len(jax.live_arrays()))
+    # Flat (within 20%) after the first rounds, and no dead model's variable alive.
+    assert max(arrays[4:]) <= 1.2 * max(arrays[1], 1)
+    assert _live_distributed_variables() == 0
+
+
+def test_a_surviving_model_does_not_slow_down_as_others_come_and_go():
+    strategy = kd.MirroredStrategy(cpus(2))
+    survivor = _model(strategy)
+    x, y = _data()
+    survivor.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    threaded_alone = strategy.extended.variable_state()
+    alone = len(threaded_alone.mirrored) + len(threaded_alone.sync_on_read)
+    for _ in range(8):
+        model = _model(strategy)
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        del model
+    gc.collect()
+    survivor.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    state = strategy.extended.variable_state()
+    # The strategy threads only the survivor's variables through its programs again.
+    assert len(state.mirrored) + len(state.sync_on_read) == alone
+
+
+def test_two_threads_fitting_under_one_strategy_end_without_a_crash():
+    strategy = kd.MirroredStrategy(cpus(4))
+    models = [_model(strategy), _model(strategy)]
+    start = [m.get_weights() for m in models]
+    x, y = _data(rows=128)
+    errors = []
+
+    def train(model):
+        try:
+            model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(m,)) for m in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    # Serialized fits give the weights of each model trained alone.
+    for model, weights in zip(models, start):
+        assert int(model.optimizer.iterations) == 3 * 128 // 16
+        alone = _model(kd.MirroredStrategy(cpus(4)))
+        alone.set_weights(weights)
+        alone.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+        for got, expected in zip(model.get_weights(), alone.get_weights()):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_strategy_run_from_two_threads_is_serialized():
+    strategy = kd.MirroredStrategy(cpus(4))
+    with strategy.scope():
+        total = keras.Variable(0.0, aggregation="mean")
+    errors = []
+
+    def step():
+        total.assign_add(1.0)  # the replicas' mean: +1 a step
+        return total.value
+
+    def hammer():
+        try:
+            for _ in range(50):
+                strategy.run(step)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    assert float(total.value) == 100.0  # 2 threads x 50 steps, none lost
