@@ -7,8 +7,10 @@ step is ``jax.jit(jax.shard_map(...))`` with a ``psum`` of the gradients; like
 keras_dist it waits for the previous step before dispatching the next on CPU
 (docs/architecture.md: overlapping collective executions abort there).
 
-    python benchmarks/custom_loop.py [--devices 4] [--batch 64] [--steps 200]
+    python benchmarks/custom_loop.py [--devices 4] [--batch 64] [--steps 200] [--function]
 
+With ``--function`` the whole step (``strategy.run`` and ``strategy.reduce``) is
+one ``@kd.function``, as a ported ``@tf.function`` step is: one dispatch a step.
 Prints one line: keras_dist steps/s, jit steps/s, and their ratio (median of
 the repeats).
 """
@@ -24,6 +26,7 @@ parser.add_argument("--devices", type=int, default=4)
 parser.add_argument("--batch", type=int, default=64, help="global batch size")
 parser.add_argument("--steps", type=int, default=200, help="steps per timed repeat")
 parser.add_argument("--repeats", type=int, default=7)
+parser.add_argument("--function", action="store_true", help="the step as one @kd.function")
 args = parser.parse_args()
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -52,12 +55,16 @@ def keras_dist_runner(strategy, batches):
 
     dataset = list(strategy.experimental_distribute_dataset(batches))
 
+    def step(batch):
+        return strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), None)
+
+    if args.function:
+        step = kd.function(step)
+
     def run(steps):
         loss = None
         for i in range(steps):
-            loss = strategy.reduce(
-                "SUM", strategy.run(train_step, args=(dataset[i % len(dataset)],)), None
-            )
+            loss = step(dataset[i % len(dataset)])
         jax.block_until_ready(loss)
 
     return run, [w.numpy() for w in model.trainable_variables]
@@ -78,7 +85,7 @@ def jit_runner(devices, batches, initial_weights):
         loss = None
         for i in range(steps):
             if loss is not None:
-                loss.block_until_ready()  # one collective execution in flight (docs/architecture.md)
+                loss.block_until_ready()  # one collective execution in flight on CPU
             x, y = data[i % len(data)]
             state["params"], state["momentum"], loss = compiled(
                 state["params"], state["momentum"], x, y
@@ -117,7 +124,8 @@ def main():
         baseline_rates.append(b)
         ratios.append(a / b)
     print(
-        f"custom_loop: keras_dist strategy.run {statistics.median(ours_rates):.0f} steps/s, "
+        f"custom_loop: keras_dist {'@kd.function' if args.function else 'strategy.run'} "
+        f"{statistics.median(ours_rates):.0f} steps/s, "
         f"hand-written jax.jit {statistics.median(baseline_rates):.0f} steps/s, "
         f"ratio {statistics.median(ratios):.2f} (target >= 0.9; "
         f"{strategy.num_replicas_in_sync} x {strategy.extended.local_devices[0].platform}, "

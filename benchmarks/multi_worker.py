@@ -121,7 +121,7 @@ def measure_jit(batch, steps, repeats):
             state["params"], state["velocity"], loss = step(
                 state["params"], state["velocity"], xb, yb
             )
-            loss.block_until_ready()  # one execution in flight (docs/architecture.md, "A jaxlib hazard")
+            loss.block_until_ready()  # one execution in flight (see docs/architecture.md)
 
     return epoch_rates(epoch, steps, repeats)
 

@@ -24,6 +24,7 @@ from keras_dist import experimental as experimental  # noqa: E402
 from keras_dist import layers as layers  # noqa: E402
 from keras_dist import nn as nn  # noqa: E402
 from keras_dist import testing as testing  # noqa: E402
+from keras_dist import train as train  # noqa: E402
 from keras_dist._context import experimental_set_strategy as experimental_set_strategy  # noqa: E402
 from keras_dist._context import get_cross_replica_context as get_cross_replica_context  # noqa: E402
 from keras_dist._context import get_replica_context as get_replica_context  # noqa: E402
@@ -34,6 +35,8 @@ from keras_dist._cross_device_ops import CrossDeviceOps as CrossDeviceOps  # noq
 from keras_dist._cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce  # noqa: E402
 from keras_dist._cross_device_ops import NcclAllReduce as NcclAllReduce  # noqa: E402
 from keras_dist._cross_device_ops import ReductionToOneDevice as ReductionToOneDevice  # noqa: E402
+from keras_dist._engine import Function as Function  # noqa: E402
+from keras_dist._engine import function as function  # noqa: E402
 from keras_dist._input import DistributedDataset as DistributedDataset  # noqa: E402
 from keras_dist._input import DistributedIterator as DistributedIterator  # noqa: E402
 from keras_dist._input import InputContext as InputContext  # noqa: E402
@@ -64,6 +67,7 @@ __all__ = [
     "DistributedDataset",
     "DistributedIterator",
     "DistributedValues",
+    "Function",
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
@@ -89,6 +93,7 @@ __all__ = [
     "errors",
     "experimental",
     "experimental_set_strategy",
+    "function",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",
@@ -98,5 +103,6 @@ __all__ = [
     "layers",
     "nn",
     "testing",
+    "train",
     "value_and_grad",
 ]

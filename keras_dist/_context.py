@@ -32,6 +32,7 @@ class Frame:
 class _ThreadState(threading.local):
     def __init__(self):
         self.stack: list[Frame] = []
+        self.function_trace = None  # the ``kd.function`` being traced, if any
 
 
 _state = _ThreadState()
@@ -78,6 +79,21 @@ def push(frame: Frame):
     finally:
         _state.stack.pop()
         keras.distribution.set_distribution(previous_distribution)
+
+
+def current_function_trace():
+    """The ``kd.function`` trace this thread is in (``strategy.run`` joins it), or ``None``."""
+    return _state.function_trace
+
+
+@contextlib.contextmanager
+def function_trace(trace):
+    """Marks the body as the trace of a ``kd.function``; restores the previous one after."""
+    previous, _state.function_trace = _state.function_trace, trace
+    try:
+        yield trace
+    finally:
+        _state.function_trace = previous
 
 
 def get_strategy():

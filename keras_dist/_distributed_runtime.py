@@ -14,12 +14,27 @@ After such a failure the process cannot take part in collectives again, and
 JAX's own shutdown would wait on the lost peer or abort from its error-polling
 thread; an exit hook ends the process with status 1 instead (the traceback is
 already printed by then).
+
+Two more things happen around ``jax.distributed.initialize``:
+
+* The process that hosts the coordination service (process 0: the chief, else
+  worker 0) first checks that the coordinator's port is free, and raises an
+  ``OSError`` naming the address when it is not (JAX would crash in gRPC).
+* SIGTERM is taken back from JAX. Its preemption sync manager installs a C
+  handler that only records the signal (DESIGN §8: such processes outlived a
+  SIGTERM for minutes). SIGTERM gets back the disposition it had, so it ends
+  the process; ``hand_sigterm_to_preemption_notifier`` gives it to JAX's
+  notifier while a preemption save is asked for (``callbacks/_preemption.py``).
 """
 
 import atexit
 import contextlib
+import ctypes
+import errno
 import os
 import queue
+import signal
+import socket
 import sys
 import threading
 import time
@@ -43,8 +58,20 @@ def is_initialized() -> bool:
     return distributed.global_state.client is not None
 
 
-def initialize(coordinator_address, num_processes, process_id, *, timeout_seconds, collectives):
-    """Starts ``jax.distributed`` for this process, or checks the running one matches."""
+def initialize(
+    coordinator_address,
+    num_processes,
+    process_id,
+    *,
+    timeout_seconds,
+    collectives,
+    coordinator_task=None,
+):
+    """Starts ``jax.distributed`` for this process, or checks the running one matches.
+
+    ``coordinator_task`` names the task that hosts the coordinator (``"worker 0"``), for
+    the error raised when its port is taken.
+    """
     state = distributed.global_state
     if state.client is not None:
         if (state.num_processes, state.process_id) != (num_processes, process_id):
@@ -64,18 +91,196 @@ def initialize(coordinator_address, num_processes, process_id, *, timeout_second
             "Create the strategy at the top of the program. Received: this process "
             f"(task {process_id} of {num_processes}) already used JAX."
         )
+    if process_id == 0:
+        # JAX starts the coordination service in process 0.
+        check_coordinator_port(coordinator_address, coordinator_task)
     if collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", collectives)
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=int(timeout_seconds),
-        # A dead peer makes JAX end every process after this long; the watch
-        # below reports it sooner and by name.
-        heartbeat_timeout_seconds=max(int(timeout_seconds), 10),
-    )
+    sigterm_before = _sigaction(signal.SIGTERM)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=int(timeout_seconds),
+            # A dead peer makes JAX end every process after this long; the watch
+            # below reports it sooner and by name.
+            heartbeat_timeout_seconds=max(int(timeout_seconds), 10),
+        )
+    finally:
+        _take_sigterm_back(sigterm_before)
     _leave_on_uncaught_exception()
+
+
+# --- The coordinator's port --------------------------------------------------------------
+
+
+def check_coordinator_port(coordinator_address, coordinator_task=None):
+    """Raises ``OSError(EADDRINUSE)`` when the coordinator's port is taken on this machine.
+
+    Binds, then closes, the addresses JAX's coordination service will bind: the
+    coordinator's own ``host:port`` and JAX's bind address (``[::]:port`` unless
+    ``JAX_COORDINATOR_BIND_ADDRESS`` says otherwise). ``SO_REUSEADDR`` is off, so a
+    socket of any other process on the port counts; when that fails, one more try with
+    ``SO_REUSEADDR`` (as gRPC binds) tells closed connections of an earlier coordinator
+    (TIME_WAIT, which gRPC reuses) from a live socket. An address that is not this
+    machine's is not checked.
+
+    >>> with socket.socket() as taken:
+    ...     taken.bind(("127.0.0.1", 0)); taken.listen()
+    ...     address = "127.0.0.1:%d" % taken.getsockname()[1]
+    ...     try:
+    ...         check_coordinator_port(address, "worker 0")
+    ...     except OSError as error:
+    ...         print(error.errno == errno.EADDRINUSE, address in str(error))
+    True True
+    """
+    coordinator = _split_host_port(coordinator_address)
+    if coordinator is None:
+        return  # Not host:port; JAX reports it.
+    default_bind = f"[::]:{coordinator[1]}"  # JAX's default: every address, the same port
+    bind = _split_host_port(os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or default_bind)
+    targets = [coordinator] + ([bind] if bind not in (None, coordinator) else [])
+    for target in targets:
+        if _port_taken(*target):
+            raise OSError(
+                errno.EADDRINUSE, _port_taken_message(coordinator_address, coordinator_task, target)
+            )
+
+
+def _port_taken_message(coordinator_address, coordinator_task, target):
+    where = f" (hosted by {coordinator_task}, this process)" if coordinator_task else ""
+    bound = ""
+    if target != _split_host_port(coordinator_address):
+        bound = f" JAX's coordination service binds {_join_host_port(*target)}, and that failed."
+    return (
+        f"The coordinator address {coordinator_address}{where} is already in use: a socket "
+        f"of another program on this machine holds port {target[1]}.{bound} Stop that "
+        "process, or give this task a free port (in TF_CONFIG's cluster, or the cluster "
+        "resolver's coordinator address); `kd.launch` and `keras-dist launch` pick free "
+        "ports themselves."
+    )
+
+
+def _split_host_port(address):
+    """``("::", 80)`` for ``"[::]:80"``; None when ``address`` is not ``host:port``."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _join_host_port(host, port):
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _port_taken(host, port) -> bool:
+    """Whether binding ``host:port`` fails because the port is in use (other failures: no)."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (OSError, UnicodeError):
+        return False  # A name this machine cannot resolve: not ours to check.
+    for family, kind, protocol, _, sockaddr in infos[:1]:
+        for reuse in (False, True):
+            try:
+                with socket.socket(family, kind, protocol) as probe:
+                    if reuse:
+                        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    probe.bind(sockaddr)
+                return False
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    return False  # Not an address of this machine, no IPv6...: not ours.
+        return True
+    return False
+
+
+# --- SIGTERM and JAX's preemption notifier -----------------------------------------------
+
+# JAX's SIGTERM action (a raw ``struct sigaction``), once taken back from it.
+_notifier_sigterm = None
+_sigterm_lock = threading.Lock()
+# While SIGTERM is handed to the notifier: how many asked, and the action to put back.
+_handed_over = 0
+_sigterm_to_restore = None
+# Larger than ``struct sigaction`` on every POSIX system; the handler is its first field.
+_SIGACTION_BYTES = 512
+
+
+def _libc():
+    if os.name != "posix":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sigaction.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _sigaction(signum, new=None):
+    """The current action of ``signum`` (raw bytes), after setting ``new`` if given.
+
+    Raw ``sigaction`` keeps what Python's ``signal`` module cannot see or restore: a C
+    handler (JAX's), and the flags of Python's own handler. None where unsupported.
+    """
+    libc = _libc()
+    if libc is None:
+        return None
+    old = ctypes.create_string_buffer(_SIGACTION_BYTES)
+    if libc.sigaction(int(signum), new, old) != 0:
+        return None
+    return old
+
+
+def _handler_of(action):
+    return ctypes.c_void_p.from_buffer(action).value if action is not None else None
+
+
+def _take_sigterm_back(before):
+    """Puts back SIGTERM's action from before ``jax.distributed.initialize``."""
+    global _notifier_sigterm
+    current = _sigaction(signal.SIGTERM)
+    if before is None or current is None or _handler_of(current) == _handler_of(before):
+        return  # JAX installed nothing (its preemption service is off).
+    with _sigterm_lock:
+        _sigaction(signal.SIGTERM, before)
+        _notifier_sigterm = current
+
+
+def hand_sigterm_to_preemption_notifier():
+    """Gives SIGTERM to JAX's preemption notifier; returns a function that undoes it.
+
+    For a training that saves before a preemption: the notifier records the signal and
+    JAX's sync manager tells every process the same step to stop at
+    (``multihost_utils.reached_preemption_sync_point``). A no-op returning a no-op when
+    keras_dist did not start ``jax.distributed`` (a hand-started JAX keeps SIGTERM all
+    along) or JAX installed no notifier (``jax_enable_preemption_service`` off).
+    """
+    global _handed_over, _sigterm_to_restore
+    with _sigterm_lock:
+        if _notifier_sigterm is None:
+            return lambda: None
+        if _handed_over == 0:
+            _sigterm_to_restore = _sigaction(signal.SIGTERM, _notifier_sigterm)
+        _handed_over += 1
+    undone = []
+
+    def undo():
+        # Nested hand-overs (two callbacks asking): the last one gives SIGTERM back.
+        global _handed_over, _sigterm_to_restore
+        with _sigterm_lock:
+            if undone:
+                return
+            undone.append(True)
+            _handed_over -= 1
+            if _handed_over == 0 and _sigterm_to_restore is not None:
+                _sigaction(signal.SIGTERM, _sigterm_to_restore)
+                _sigterm_to_restore = None
+
+    return undo
 
 
 def leave_now(code):

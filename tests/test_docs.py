@@ -18,6 +18,7 @@ PUBLIC_MODULES = [
     kd.layers,
     kd.nn,
     kd.testing,
+    kd.train,
     kd.errors,
 ]
 

@@ -137,3 +137,19 @@ def test_stateless_apply_inside_replicas_matches_one_device(engine):
     assert iterations == mirrored_iterations == 3
     for got, want in zip(mirrored, reference):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_value_and_grad_of_an_unbuilt_model_says_to_build_it():
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.layers.Dense(1)])  # no Input: no weights yet
+    x = np.ones((4, 3), "float32")
+    with pytest.raises(ValueError, match="Build the model first.*Received: variables=\\[\\]"):
+        kd.value_and_grad(lambda: model(x).sum(), model.trainable_variables)()
+
+
+def test_mean_of_integer_replica_ids_is_a_float_as_in_tf(engine):
+    strategy = kd.MirroredStrategy(cpus(4))
+    ids = strategy.run(lambda: kd.get_replica_context().replica_id_in_sync_group)
+    assert float(strategy.reduce("MEAN", ids, axis=None)) == 1.5
+    assert int(strategy.reduce("SUM", ids, axis=None)) == 6

@@ -34,8 +34,10 @@ def _epoch(strategy, dataset):
 
 
 def _split(rows, n):
-    """How TF splits a global batch between ``n`` replicas (first ones get more)."""
-    return [part.tolist() for part in np.array_split(np.asarray(rows), n)]
+    """How TF splits a global batch between ``n`` replicas: ceil(rows / n) each, in order."""
+    rows = list(rows)
+    each = -(-len(rows) // n)
+    return [rows[i * each : (i + 1) * each] for i in range(n)]
 
 
 def _in_steps(batches, n):
@@ -75,19 +77,21 @@ def test_batch_splitting(n):
     if n == 2:
         assert epoch[3] == [list(range(30, 35)), list(range(35, 40))]
     if n == 4:
-        # 10 rows on 4 replicas: the first replicas take the extra rows.
-        assert [len(part) for part in epoch[0]] == [3, 3, 2, 2]
+        # 10 rows on 4 replicas: ceil(10 / 4) = 3 each until the rows run out (TF 2.21).
+        assert [len(part) for part in epoch[0]] == [3, 3, 3, 1]
 
 
 @pytest.mark.parametrize(
     "rows, n, expected",
     [
-        (5, 4, [[0, 1], [2], [3], [4]]),
+        (5, 4, [[0, 1], [2, 3], [4], []]),
         (1, 2, [[0], []]),
         (3, 4, [[0], [1], [2], []]),
+        (1, 4, [[0], [], [], []]),
+        (4, 4, [[0], [1], [2], [3]]),
     ],
 )
-def test_partial_batch_split_as_evenly_as_possible(rows, n, expected):
+def test_partial_batch_split_as_tf_splits_it(rows, n, expected):
     strategy = kd.MirroredStrategy(cpus(n))
     dataset = strategy.experimental_distribute_dataset([np.arange(rows)])
     assert _epoch(strategy, dataset) == [expected]
@@ -99,13 +103,13 @@ def test_partial_batch_splits_every_leaf_of_a_nest_alike():
     batch = ({"a": np.arange(5), "b": features}, np.arange(10, 15))
     (element,) = list(strategy.experimental_distribute_dataset([batch]))
     inputs, labels = element
-    assert _local(strategy, inputs["a"]) == [[0, 1], [2], [3], [4]]
-    assert _local(strategy, labels) == [[10, 11], [12], [13], [14]]
+    assert _local(strategy, inputs["a"]) == [[0, 1], [2, 3], [4], []]
+    assert _local(strategy, labels) == [[10, 11], [12, 13], [14], []]
     assert _local(strategy, inputs["b"]) == [
         features[:2].tolist(),
-        features[2:3].tolist(),
-        features[3:4].tolist(),
+        features[2:4].tolist(),
         features[4:].tolist(),
+        features[:0].tolist(),
     ]
 
 
@@ -508,3 +512,10 @@ def test_default_strategy_dataset(engine):
     # A partial global batch stays whole on one replica.
     last = strategy.reduce("SUM", list(dataset)[-1], axis=0)
     assert float(last) == 17.0
+
+
+@pytest.mark.parametrize("rows, sizes", [(178, [45, 45, 45, 43]), (10, [3, 3, 3, 1])])
+def test_partial_batch_sizes_are_tf_221s(rows, sizes):
+    strategy = kd.MirroredStrategy(cpus(4))
+    dataset = strategy.experimental_distribute_dataset([np.arange(rows)])
+    assert [len(part) for part in _epoch(strategy, dataset)[0]] == sizes

@@ -573,6 +573,37 @@ def test_cli_forwards_sigterm_to_the_tasks(script):
         cli.wait()
 
 
+def test_cli_leaves_a_signal_ignored_on_purpose_ignored(script):
+    # As under `nohup`: the command inherits SIGHUP ignored, and keeps it so.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "keras_dist._launch._cli", "launch", "--workers", "1"]
+            + [script, "--sleep"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    try:
+        line = cli.stdout.readline()
+        while line and "ready pid=" not in line:
+            line = cli.stdout.readline()
+        assert line, cli.stderr.read()
+        pid = int(line.rpartition("=")[2])
+        # Python runs pending handlers in signal-number order: a SIGHUP that was handled
+        # would decide the exit code before the SIGTERM sent after it.
+        cli.send_signal(signal.SIGHUP)
+        cli.send_signal(signal.SIGTERM)
+        assert cli.wait(timeout=20) == 128 + signal.SIGTERM, cli.stderr.read()
+        assert not _alive(pid)
+    finally:
+        cli.kill()
+        cli.wait()
+
+
 def test_cli_in_process_timeout_help_and_errors(script, capsys):
     assert cli_main(["launch", "--workers", "1", "--timeout", "1", script, "--sleep"]) == 124
     assert "did not finish within --timeout 1 s" in capsys.readouterr().err

@@ -86,7 +86,7 @@ def test_reduce_run_and_gather_on_two_workers_match_tf():
         assert result["batch_reduce_host"] == [2.0, 2.0]
         assert result["reduce_run"] == 2.0
         assert result["batch_reduce_run"] == [2.0, 2.0]
-        # Replica ids are int32: MEAN divides as integers, as TF does.
+        # Replica ids are int32: across workers MEAN divides as integers, as TF does.
         assert result["sum_ids"] == 1.0 and result["mean_ids"] == 0.0
         assert result["gather"] == [0, 0, 1, 1]
         assert result["all_reduce"] == [2.0]  # 2 * (0 + 1)

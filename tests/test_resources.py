@@ -30,7 +30,11 @@ def _settled_thread_count(deadline=5.0) -> int:
 def _model(strategy, features=8):
     with strategy.scope():
         model = keras.Sequential(
-            [keras.Input((features,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+            [
+                keras.Input((features,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(3),
+            ]
         )
         model.compile(
             optimizer="adam",
@@ -51,7 +55,7 @@ def test_forty_early_breaks_leave_no_read_ahead_thread():
     dataset = strategy.experimental_distribute_dataset(batches)
     before = _settled_thread_count()
     for _ in range(40):
-        for step, batch in enumerate(dataset):
+        for step, _ in enumerate(dataset):
             if step == 1:
                 break
     assert abs(_settled_thread_count() - before) <= 2

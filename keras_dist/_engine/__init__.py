@@ -13,5 +13,8 @@ Each engine's replica side implements ``ReplicaEngine``.
 from keras_dist._engine._compiled import CompiledEngine as CompiledEngine
 from keras_dist._engine._compiled import ReplicatedOutput as ReplicatedOutput
 from keras_dist._engine._eager import EagerEngine as EagerEngine
+from keras_dist._engine._function import Function as Function
+from keras_dist._engine._function import function as function
+from keras_dist._engine._inline import run_inline as run_inline
 from keras_dist._engine._interface import ReplicaEngine as ReplicaEngine
 from keras_dist._engine._per_shape import PerShapeSteps as PerShapeSteps

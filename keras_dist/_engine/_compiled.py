@@ -21,7 +21,6 @@
 """
 
 import collections
-import types
 import weakref
 
 import jax
@@ -31,17 +30,20 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from keras_dist import _context
-from keras_dist._engine._interface import ReplicaEngine
+from keras_dist._engine._compiled_replica import CompiledReplica
+from keras_dist._engine._compiled_replica import is_input_leaf
+from keras_dist._engine._compiled_replica import local_part as _local_part
+from keras_dist._engine._function_key import FunctionKey
+from keras_dist._engine._retracing import RetraceMonitor
+from keras_dist._engine._retracing import retrace_cause
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import initialize_pending_variables
 from keras_dist._keras import pending_variables
 from keras_dist._keras import variable_has_value
 from keras_dist._mesh import REPLICA_AXIS as AXIS
-from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
 from keras_dist._values import DistributedValues
-from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
 from keras_dist._values._variables import DistributedVariable
 
@@ -62,137 +64,19 @@ class ReplicatedOutput:
         self.value = value
 
 
-def _is_input_leaf(x):
-    return x is None or isinstance(x, (DistributedValues, KerasVariable))
-
-
 def _static_key(leaf):
     if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
         return (type(leaf), leaf)
     return (type(leaf), id(leaf))
 
 
-class _TracedValue:
-    """This replica's component of a distributed value inside a compiled merge_call."""
-
-    def __init__(self, local, engine):
-        self.local = local
-        self.engine = engine
-
-    def all_components(self) -> tuple:
-        gathered = lax.all_gather(self.local, AXIS)
-        return tuple(gathered[i] for i in range(self.engine.num_replicas))
-
-
-class _Record:
+class TraceRecord:
     """What one trace found out: outputs, assignments, unknown variables."""
 
     def __init__(self):
         self.assigned: dict = {}
         self.unmapped: dict = {}
         self.out = None
-
-
-class CompiledReplica(ReplicaEngine):
-    """The replica side of a trace: collectives and merge_call for ``ReplicaContext``."""
-
-    compiled = True
-
-    def __init__(self, extended):
-        self._extended = extended
-        self.num_replicas = extended.num_replicas_in_sync
-        self.replica_context = None
-
-    @property
-    def _cross_device_ops(self):
-        return self._extended.cross_device_ops
-
-    def _wrap_traced(self, x):
-        if isinstance(x, jax.core.Tracer):
-            return PerReplica(None, _traced=_TracedValue(x, self), _validate=False)
-        return x
-
-    def merge_call(self, replica_context, merge_fn, args, kwargs):
-        strategy = self._extended.container_strategy
-        args, kwargs = jax.tree_util.tree_map(
-            self._wrap_traced, (args, kwargs), is_leaf=_is_input_leaf
-        )
-        with _context.push(_context.Frame(strategy, None, engine=self)):
-            result = merge_fn(strategy, *args, **kwargs)
-        return jax.tree_util.tree_map(_local_part, result, is_leaf=_is_input_leaf)
-
-    def call_for_each_replica(self, fn, args, kwargs):
-        """``call_for_each_replica`` from a merge_fn of this trace: its replicas run ``fn``.
-
-        The program already runs once per replica under ``shard_map``, and JAX
-        does not allow a second ``shard_map`` over the same mesh inside it.
-        """
-        strategy = self._extended.container_strategy
-        args, kwargs = jax.tree_util.tree_map(_local_part, (args, kwargs), is_leaf=_is_input_leaf)
-        with _context.push(_context.Frame(strategy, self.replica_context, engine=self)):
-            result = fn(*args, **kwargs)
-        return jax.tree_util.tree_map(self._wrap_traced, result, is_leaf=_is_input_leaf)
-
-    def all_reduce(self, reduce_op, value):
-        leaves, treedef = jax.tree_util.tree_flatten(value)
-        leaves = [jnp.asarray(x) for x in leaves]
-        reduced = self._cross_device_ops.reduce_in_replica(reduce_op, leaves, self.num_replicas)
-        return jax.tree_util.tree_unflatten(treedef, reduced)
-
-    def all_gather(self, value, axis):
-        return jax.tree_util.tree_map(
-            lambda x: lax.all_gather(jnp.asarray(x), AXIS, axis=axis, tiled=True), value
-        )
-
-    def aggregate_sync_on_read(self, variable, local):
-        aggregation = variable.aggregation
-        if aggregation == "only_first_replica":
-            return lax.all_gather(local, AXIS)[0]
-        op = ReduceOp.from_variable_aggregation(aggregation)
-        return self._cross_device_ops.reduce_in_replica(op, [local], self.num_replicas)[0]
-
-    def reduce_traced(self, reduce_op, values) -> list:
-        """``batch_reduce_to`` inside a merge_call: one fused reduction for all values."""
-        results = [None] * len(values)
-        positions, locals_ = [], []
-        for i, value in enumerate(values):
-            if isinstance(value, DistributedValues):
-                positions.append(i)
-                locals_.append(_local_part(value))
-            else:
-                results[i] = self._extended.reduce_non_distributed(reduce_op, value)
-        reduced = self._cross_device_ops.reduce_in_replica(reduce_op, locals_, self.num_replicas)
-        for i, r in zip(positions, reduced):
-            results[i] = Mirrored(None, _traced=_TracedValue(r, self), _validate=False)
-        return results
-
-    def reduce_with_axis(self, reduce_op, value, axis):
-        local = _local_part(value)
-        if axis is None:
-            return self.reduce_traced(reduce_op, [value])[0].local()
-        total = lax.psum(jnp.sum(local, axis=axis), AXIS)
-        if reduce_op is ReduceOp.SUM:
-            return total
-        return total / (jnp.shape(local)[axis] * self.num_replicas)
-
-    def gather_traced(self, value, axis):
-        return lax.all_gather(_local_part(value), AXIS, axis=axis, tiled=True)
-
-    def update_component(self, variable, fn, args, kwargs):
-        """``extended.update`` of a SyncOnRead variable with per-replica arguments.
-
-        In a trace each replica updates its own component with its own part.
-        """
-        strategy = self._extended.container_strategy
-        args, kwargs = jax.tree_util.tree_map(_local_part, (args, kwargs), is_leaf=_is_input_leaf)
-        with _context.push(_context.Frame(strategy, self.replica_context, engine=self)):
-            return fn(variable, *args, **kwargs)
-
-
-def _local_part(x):
-    if isinstance(x, DistributedValues) and x.traced is not None:
-        return x.traced.local
-    return x
 
 
 class _Entry:
@@ -225,7 +109,7 @@ class _Entry:
         foreign_variables = self._variables(self._foreign)
         mirrored = [extended.compute_value(v) for v in mirrored_variables]
         sync_on_read = [v.stored() for v in sync_on_read_variables]
-        _copy_shared_buffers(mirrored, sync_on_read)
+        copy_shared_buffers(mirrored, sync_on_read)
         foreign = [extended.placement.replicate(v.value) for v in foreign_variables]
         new_mirrored, new_sync_on_read, outputs, sums, replicated = extended.placement.execute(
             self.compiled, mirrored, sync_on_read, foreign, dynamic
@@ -237,25 +121,37 @@ class _Entry:
         return self._outputs(outputs, sums, replicated)
 
     def _outputs(self, arrays, sums, replicated):
-        arrays, sums, replicated = iter(arrays), iter(sums), iter(replicated)
-        has_sum = iter(self.has_sum)
-        leaves = []
-        for slot in self.out_layout:
-            if slot is _REPLICATED:
-                leaves.append(next(replicated))
-            elif slot is not _ARRAY:
-                leaves.append(slot)
-            elif self.stacked_out:
-                value = PerReplica(None, _stacked=next(arrays), _validate=False)
-                if next(has_sum):
-                    value.replica_sum = next(sums)
-                leaves.append(value)
-            else:
-                leaves.append(next(arrays))
-        return jax.tree_util.tree_unflatten(self.out_treedef, leaves)
+        return assemble_outputs(
+            (self.out_treedef, self.out_layout, self.has_sum, self.stacked_out),
+            arrays,
+            sums,
+            replicated,
+        )
 
 
-def _copy_shared_buffers(*lists):
+def assemble_outputs(out_record, arrays, sums, replicated):
+    """The replica function's outputs rebuilt from a program's stacked, summed and
+    replicated results (``out_record`` is ``TraceRecord.out``)."""
+    out_treedef, out_layout, has_sum, stacked_out = out_record
+    arrays, sums, replicated = iter(arrays), iter(sums), iter(replicated)
+    has_sum = iter(has_sum)
+    leaves = []
+    for slot in out_layout:
+        if slot is _REPLICATED:
+            leaves.append(next(replicated))
+        elif slot is not _ARRAY:
+            leaves.append(slot)
+        elif stacked_out:
+            value = PerReplica(None, _stacked=next(arrays), _validate=False)
+            if next(has_sum):
+                value.replica_sum = next(sums)
+            leaves.append(value)
+        else:
+            leaves.append(next(arrays))
+    return jax.tree_util.tree_unflatten(out_treedef, leaves)
+
+
+def copy_shared_buffers(*lists):
     """Donation needs distinct buffers; a variable assigned from another shares one."""
     if len({id(v) for values in lists for v in values}) == sum(map(len, lists)):
         return
@@ -271,44 +167,6 @@ class _StaleEntry(Exception):
     """A cached program whose variables are gone (built again)."""
 
 
-class _FunctionKey:
-    """``fn`` in a cache key, without keeping it (and what it closes over) alive.
-
-    A bound method is made afresh at every attribute access: two are the same
-    key when they bind the same function to the same live object.
-    """
-
-    __slots__ = ("_refs", "_hash")
-
-    def __init__(self, fn):
-        parts = (fn.__func__, fn.__self__) if isinstance(fn, types.MethodType) else (fn,)
-        self._refs = tuple(_weak_or_strong(p) for p in parts)
-        self._hash = hash(tuple(id(p) for p in parts))
-
-    def referents(self) -> tuple:
-        return tuple(r() for r in self._refs)
-
-    def __hash__(self):
-        return self._hash
-
-    def __eq__(self, other):
-        if not isinstance(other, _FunctionKey) or self._hash != other._hash:
-            return False
-        mine, theirs = self.referents(), other.referents()
-        return (
-            None not in mine
-            and len(mine) == len(theirs)
-            and all(a is b for a, b in zip(mine, theirs))
-        )
-
-
-def _weak_or_strong(value):
-    try:
-        return weakref.ref(value)
-    except TypeError:  # builtins cannot be weakly referenced; they never die anyway
-        return lambda: value
-
-
 class CompiledEngine:
     """Runs replica functions as one compiled SPMD program per input signature.
 
@@ -321,10 +179,12 @@ class CompiledEngine:
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._foreign: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.trace_count = 0  # how many times a replica function was traced
+        self._retraces = RetraceMonitor()
+        self._last_traced: dict = {}  # code -> (key, statics, signature) of its last trace
 
     def run(self, fn, args, kwargs):
         extended = self._extended
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_input_leaf)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_input_leaf)
         kinds, dynamic, signature, statics = [], [], [], []
         for index, leaf in enumerate(leaves):
             if isinstance(leaf, PerReplica):
@@ -340,16 +200,23 @@ class CompiledEngine:
             kinds.append(kind)
             dynamic.append(array)
             signature.append((kind, array.shape, array.dtype, getattr(array, "weak_type", False)))
-        base_key = (_FunctionKey(fn), treedef, tuple(statics), tuple(signature))
+        function_key = FunctionKey(fn)
+        base_key = (function_key, treedef, tuple(statics), tuple(signature))
         key = base_key + (extended.variable_state().version, len(self._foreign))
         entry = self._cache.get(key)
         if entry is not None:
             self._cache.move_to_end(key)
             try:
-                return entry(dynamic)
+                result = entry(dynamic)
+                self._retraces.record(function_key.code, traced=False)
+                return result
             except _StaleEntry:
                 del self._cache[key]
         self._drop_dead_entries()
+        traced = (function_key, tuple(statics), tuple(signature))
+        cause = retrace_cause(self._last_traced.get(function_key.code), traced)
+        self._last_traced[function_key.code] = traced
+        self._retraces.record(function_key.code, traced=True, cause=cause)
         for _ in range(_MAX_TRACES_PER_SIGNATURE):
             entry = self._build(fn, treedef, leaves, kinds, dynamic)
             key = base_key + (extended.variable_state().version, len(self._foreign))
@@ -369,7 +236,7 @@ class CompiledEngine:
 
     def _drop_dead_entries(self) -> None:
         """Forgets programs of functions that are gone (their model was dropped)."""
-        dead = [k for k in self._cache if None in k[0].referents()]
+        dead = [k for k in self._cache if not k[0].alive]
         for key in dead:
             del self._cache[key]
 
@@ -380,8 +247,10 @@ class CompiledEngine:
             state = extended.variable_state()
             mirrored, sync_on_read = state.mirrored, state.sync_on_read
             foreign = list(self._foreign.values())
-            record = _Record()
-            body = self._body(fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record)
+            record = TraceRecord()
+            body = self.replica_body(
+                fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record
+            )
             stacked_out = extended.num_replicas_in_sync > 1
             mapped = jax.shard_map(
                 body,
@@ -406,10 +275,11 @@ class CompiledEngine:
                 "Create variables once, e.g. by building the model and the optimizer "
                 f"before the first `strategy.run`. Received: fn={fn!r}"
             )
-        self._check_assignments(record, mirrored, sync_on_read)
+        self.check_assignments(record, mirrored, sync_on_read)
         return _Entry(extended, traced.lower(), mirrored, sync_on_read, foreign, record)
 
-    def _body(self, fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record):
+    def replica_body(self, fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record):
+        """The function ``shard_map`` runs: ``fn`` on one replica, variables threaded as state."""
         extended = self._extended
         strategy = extended.container_strategy
 
@@ -433,7 +303,7 @@ class CompiledEngine:
             frame = _context.Frame(strategy, replica_context, engine=replica)
             with _context.push(frame), RecordingScope(mapping) as scope:
                 outputs = fn(*args, **kwargs)
-                outputs = jax.tree_util.tree_map(_output_value, outputs, is_leaf=_is_input_leaf)
+                outputs = jax.tree_util.tree_map(_output_value, outputs, is_leaf=is_input_leaf)
             record.assigned = dict(scope.assigned)
             record.unmapped = dict(scope.unmapped)
             new_mirrored = [scope.state_mapping[id(v)] for v in mirrored]
@@ -484,7 +354,8 @@ class CompiledEngine:
                 again = True
         return again
 
-    def _check_assignments(self, record, mirrored, sync_on_read):
+    def check_assignments(self, record, mirrored, sync_on_read):
+        """Refuses writes, inside a replica, to variables that are not threaded as state."""
         threaded = {id(v) for v in mirrored} | {id(v) for v in sync_on_read}
         for variable in record.assigned.values():
             if id(variable) not in threaded:

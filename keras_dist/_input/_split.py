@@ -1,8 +1,9 @@
 """Splitting global batches between replicas, and stepping per-worker pipelines together.
 
 An evenly divisible global batch becomes one stacked array placed on the mesh
-with a single transfer; a partial last batch is split as evenly as possible
-(5 rows on 4 replicas give 2, 1, 1, 1; 1 row on 2 replicas gives 1, 0). Across
+with a single transfer; a partial last batch is split as TF splits it
+(``ceil(rows / replicas)`` per replica in replica order: 10 rows on 4 replicas
+give 3, 3, 3, 1; 1 row on 2 replicas gives 1, 0). Across
 processes every worker reads the same global batch and keeps its replicas'
 pieces, and per-worker pipelines agree on each step's batch sizes.
 """
@@ -70,7 +71,7 @@ class GlobalBatchSplitter:
         if size % n == 0:
             split = [self._stacked(x, n) for x in leaves]
         else:
-            bounds = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(size), n)])
+            bounds = np.cumsum([0] + split_sizes(size, n, like_tf=not self._on_host))
             pieces = self._mine([(bounds[i], bounds[i + 1]) for i in range(n)])
             split = []
             for x in leaves:
@@ -95,6 +96,23 @@ class GlobalBatchSplitter:
         if not (self._on_host and isinstance(stacked, np.ndarray)):
             stacked = jax.device_put(stacked, self._extended.placement.split)
         return PerReplica(None, _stacked=stacked)
+
+
+def split_sizes(rows: int, replicas: int, like_tf: bool = True) -> list:
+    """How many rows of a partial global batch each replica gets, in replica order.
+
+    TF's rebatching gives every replica ``ceil(rows / replicas)`` rows until
+    the batch runs out (178 rows on 4 replicas: 45, 45, 45, 43; 10 rows: 3, 3, 3,
+    1; 1 row: 1, 0, 0, 0). ``fit`` splits as evenly as possible instead (10 rows:
+    3, 3, 2, 2): its steps are exact for any split, and even pieces balance the work.
+
+    >>> split_sizes(178, 4), split_sizes(10, 4), split_sizes(10, 4, like_tf=False)
+    ([45, 45, 45, 43], [3, 3, 3, 1], [3, 3, 2, 2])
+    """
+    if not like_tf:
+        return [len(a) for a in np.array_split(np.arange(rows), replicas)]
+    each = -(-rows // replicas)
+    return [max(0, min(each, rows - i * each)) for i in range(replicas)]
 
 
 def per_replica_batches(extended, batches, template=None, uneven=False):

@@ -123,12 +123,24 @@ def _wrap_get_iterator(original, training):
             adapter = self.data_adapter
             batches = adapter.get_numpy_iterator()
             from_generator = type(adapter).__name__ == "GeneratorDataAdapter"
-            layout = (self.steps_per_epoch or adapter.num_batches, adapter.batch_size)
-            layout += (adapter.partial_batch_size if adapter.has_partial_batch else 0,)
+            partial = _known(adapter, "has_partial_batch")
+            layout = (
+                self.steps_per_epoch or _known(adapter, "num_batches"),
+                _known(adapter, "batch_size"),
+                _known(adapter, "partial_batch_size") if partial else 0,
+            )
             return training.host_batches(batches, read_ahead=not from_generator, layout=layout)
         return original(self)
 
     return get_iterator
+
+
+def _known(adapter, name):
+    """A data adapter's property, or ``None`` where the adapter cannot tell."""
+    try:
+        return getattr(adapter, name)
+    except NotImplementedError:
+        return None
 
 
 def _wrap_enumerate_iterator(original):

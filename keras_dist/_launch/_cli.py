@@ -7,8 +7,10 @@ each process with its ``TF_CONFIG``, and streams their output prefixed with the 
     python -m keras_dist._launch._cli launch --chief --workers 2 train.py
 
 It exits with 0 when every task succeeded, otherwise with the exit code of the first task
-that failed (128 + N for a task killed by signal N, 124 after ``--timeout``). Ctrl-C or
-SIGTERM stops the tasks: SIGTERM, then SIGKILL after a grace period.
+that failed (128 + N for a task killed by signal N, 124 after ``--timeout``). Ctrl-C, SIGTERM
+or SIGHUP (a closed terminal) stops the tasks: SIGTERM, then SIGKILL after a grace period,
+and the command exits with 128 + the signal's number. If the command itself is killed
+(SIGKILL), its tasks die with it (see ``_bootstrap``).
 """
 
 import argparse
@@ -25,6 +27,10 @@ from keras_dist._launch._program import ScriptProgram
 from keras_dist._launch._runner import MultiProcessRunner
 
 _TIMEOUT_EXIT_CODE = 124  # As the `timeout` command.
+# Signals that stop every task in order (SIGHUP: the terminal closed), where they exist.
+_STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 _EXAMPLES = """\
 examples:
@@ -119,7 +125,12 @@ def _launch(options: argparse.Namespace) -> int:
             log_dir=options.log_dir,
         )
 
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A signal ignored on purpose (`nohup`, a background job's SIGINT) stays ignored.
+    previous = {
+        sig: signal.signal(sig, _stop)
+        for sig in _STOP_SIGNALS
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
     try:
         run_elastic(
             runner,
@@ -140,12 +151,13 @@ def _launch(options: argparse.Namespace) -> int:
         return 128 + stop.signum
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # None: a handler installed outside Python, which cannot be put back.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     return 0
 
 
 class _Stopped(BaseException):
-    """Ctrl-C or SIGTERM reached the launcher (a BaseException, as KeyboardInterrupt)."""
+    """Ctrl-C, SIGTERM or SIGHUP reached the launcher (a BaseException, as KeyboardInterrupt)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -155,7 +167,10 @@ class _Stopped(BaseException):
 def _stop(signum, frame) -> None:
     del frame
     # os.write: the main thread may be inside sys.stdout/sys.stderr when the signal comes.
-    os.write(2, f"keras-dist: {signal.Signals(signum).name}: stopping every task.\n".encode())
+    try:
+        os.write(2, f"keras-dist: {signal.Signals(signum).name}: stopping every task.\n".encode())
+    except OSError:
+        pass  # No terminal any more (SIGHUP): stop the tasks all the same.
     # Raised in the main thread, wherever it waits: leaving the runner's `with` block stops
     # the tasks (SIGTERM, then SIGKILL). A second signal there kills them at exit instead.
     raise _Stopped(signum)
@@ -168,7 +183,10 @@ def _shell_exit_code(code: int | None) -> int:
 
 
 def _say(message: str) -> None:
-    print(f"keras-dist: {message}", file=sys.stderr, flush=True)
+    try:
+        print(f"keras-dist: {message}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass  # stderr is gone (the terminal closed).
 
 
 def _count(minimum: int):

@@ -2,16 +2,28 @@
 
 Each task runs in a new session (so its own process group): signals reach the task and
 everything it started, and a Ctrl-C in the terminal reaches only the launcher, which then
-stops the tasks in order. Stopping escalates from SIGTERM to SIGKILL, because processes that
-called ``jax.distributed.initialize`` have been seen to ignore SIGTERM.
+stops the tasks in order. Stopping escalates from SIGTERM to SIGKILL after a grace period
+(a task may handle SIGTERM: a preemption save, or code of its own).
+
+Tasks die with the launcher however it ends, SIGKILL included: every task starts through
+``_bootstrap``, which on Linux asks the kernel for SIGKILL when the launcher dies (the
+parent-death signal) and elsewhere watches the launcher's pid. Linux sends that signal when
+the *thread* that started the child ends, so children are started from the main thread, or
+from one spawner thread that lives as long as the process.
 """
 
+import concurrent.futures
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
+
+from keras_dist._launch import _bootstrap
+
+_BOOTSTRAP_PATH = os.path.abspath(_bootstrap.__file__)
 
 # One lock for every task's output, so that lines of different tasks never interleave.
 _OUTPUT_LOCK = threading.Lock()
@@ -50,8 +62,8 @@ class TaskProcess:
             log.flush()
             self._stream(f"{banner}\n")
         try:
-            self.popen = subprocess.Popen(
-                command,
+            self.popen = _popen(
+                with_bootstrap(command),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -118,6 +130,61 @@ class TaskProcess:
                 sys.stdout.flush()
             except (OSError, ValueError):
                 pass  # The stream was closed (the interpreter is shutting down).
+
+
+def with_bootstrap(command: list[str]) -> list[str]:
+    """``command`` (``[sys.executable, ARGS...]``) started through ``_bootstrap``.
+
+    >>> command = with_bootstrap([sys.executable, "train.py", "--epochs", "3"])
+    >>> command[-3:], command[-4] in ("exec", "watch")
+    (['train.py', '--epochs', '3'], True)
+    """
+    if not command or command[0] != sys.executable:
+        raise ValueError(
+            f"A task's command must start with this interpreter ({sys.executable}). "
+            f"Received: command={command!r}"
+        )
+    launcher = str(os.getpid())
+    if sys.platform.startswith("linux"):
+        # Isolated and without site-packages: the bootstrap needs only the standard library,
+        # and it replaces itself with the task at once.
+        return [sys.executable, "-I", "-S", _BOOTSTRAP_PATH, launcher, "exec", *command[1:]]
+    return [sys.executable, _BOOTSTRAP_PATH, launcher, "watch", *command[1:]]
+
+
+_spawn_requests: queue.SimpleQueue = queue.SimpleQueue()
+_spawner: threading.Thread | None = None
+_spawner_lock = threading.Lock()
+
+
+def _popen(command: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` from a thread that ends only with this process.
+
+    The parent-death signal fires when the thread that forked the child ends: a task
+    started from a passing thread (a restart from the runner's monitor, ``start()`` in a
+    thread of the user's) would be killed when that thread returns.
+    """
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(command, **kwargs)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or not _spawner.is_alive():
+            # A daemon: it waits for requests for the rest of the process's life.
+            _spawner = threading.Thread(target=_serve_spawns, name="keras-dist-spawner")
+            _spawner.daemon = True
+            _spawner.start()
+    started: concurrent.futures.Future = concurrent.futures.Future()
+    _spawn_requests.put((started, command, kwargs))
+    return started.result()
+
+
+def _serve_spawns() -> None:
+    while True:
+        started, command, kwargs = _spawn_requests.get()
+        try:
+            started.set_result(subprocess.Popen(command, **kwargs))
+        except BaseException as error:  # handed to the waiting caller
+            started.set_exception(error)
 
 
 def terminate(processes: list[TaskProcess], grace: float) -> None:

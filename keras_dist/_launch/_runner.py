@@ -74,7 +74,8 @@ class MultiProcessRunner:
     A task that raises re-raises here with its own type, its traceback, and the end of every
     task's log; a task that exits without a result raises ``UnexpectedSubprocessExitError``.
     No process outlives the runner: leaving the ``with`` block, garbage collection and the
-    end of the interpreter stop any that remain.
+    end of the interpreter stop any that remain, and a process killed outright (SIGKILL)
+    takes its tasks along (Linux's parent-death signal; elsewhere a watch on its pid).
     """
 
     def __init__(

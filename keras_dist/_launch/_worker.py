@@ -1,9 +1,10 @@
 """The program of one task's process: load the function, call it, write what happened.
 
 Run as ``python _worker.py CALL_FILE RESULT_FILE`` (``python -m keras_dist._launch._worker``
-works too). The runner starts it by path so that a task imports ``keras_dist`` (and with it
-Keras and JAX) only when its function needs them: a plain function starts in a fraction of a
-second. This module therefore imports nothing from ``keras_dist``.
+works too). The runner starts it by path (through ``_bootstrap``, which then becomes this
+program) so that a task imports ``keras_dist`` (and with it Keras and JAX) only when its
+function needs them: a plain function starts in a fraction of a second. This module
+therefore imports nothing from ``keras_dist``.
 
 The call file is a pickled dict: ``sys_path`` (the parent's module search path),
 ``parent_pid``, and ``call``, the cloudpickled ``(fn, args, kwargs)``. The result file is a
@@ -101,7 +102,9 @@ def _die_with_parent(parent_pid: int) -> None:
     """Kills this task's process group when the launching process is gone.
 
     Tasks run in their own session (a Ctrl-C in the terminal reaches the launcher only), so
-    a launcher killed with SIGKILL would otherwise leave them running.
+    a launcher killed with SIGKILL would otherwise leave them running. On Linux the kernel's
+    parent-death signal, set by ``_bootstrap`` before this program started, kills the task
+    first; this watch is the fallback elsewhere (and it also ends what the task started).
     """
 
     def watch():

@@ -118,8 +118,7 @@ def check_same_batches_on_every_worker(extended, layout) -> None:
         "inputs to `fit`/`evaluate`/`predict` (each keeps its replicas' pieces of every "
         "global batch), with the same batch size and steps. Give each worker the whole "
         "dataset, or use `distribute_datasets_from_function` for per-worker data. "
-        "Received: "
-        + "; ".join(f"worker {i}: {describe(row)}" for i, row in enumerate(everyone))
+        "Received: " + "; ".join(f"worker {i}: {describe(row)}" for i, row in enumerate(everyone))
     )
 
 

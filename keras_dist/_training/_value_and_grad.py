@@ -11,6 +11,7 @@ import jax
 
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import current_mapping
+from keras_dist._keras import variable_has_value
 
 
 def value_and_grad(loss_fn, variables, has_aux: bool = False):
@@ -28,6 +29,7 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
     variables = list(variables)
 
     def wrapped(*args, **kwargs):
+        _check_built(variables)
         outer = current_mapping()
         current = [v.value for v in variables]
         writes = []  # (variable, kind), replayed after the gradient
@@ -56,3 +58,18 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
         return ((loss, aux) if has_aux else loss), list(grads)
 
     return wrapped
+
+
+def _check_built(variables) -> None:
+    """JAX has no tape to find variables later: they must exist when the gradient is taken."""
+    missing = [v for v in variables if not variable_has_value(v)]
+    if variables and not missing:
+        return
+    received = "variables=[]" if not variables else f"unbuilt variables={[v.path for v in missing]}"
+    raise ValueError(
+        "`value_and_grad` needs the variables to differentiate, built: Keras creates a "
+        "layer's weights on its first call, so `model.trainable_variables` is empty "
+        "until then. Build the model first, inside `strategy.scope()` (e.g. "
+        "`keras.Input` in a Sequential model, `model.build(input_shape)`, or one call on "
+        f"a batch), then take `model.trainable_variables`. Received: {received}"
+    )

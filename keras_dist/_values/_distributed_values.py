@@ -244,6 +244,8 @@ def unstack(stacked: jax.Array) -> tuple:
     """The local components of a stacked ``(num_replicas, ...)`` global array."""
     if isinstance(stacked, np.ndarray):
         return tuple(stacked)  # a host batch not yet placed
+    if isinstance(stacked, jax.core.Tracer):
+        return tuple(stacked[i] for i in range(stacked.shape[0]))  # inside a kd.function
     shards = sorted(stacked.addressable_shards, key=lambda s: s.index[0].start or 0)
     return tuple(shard.data[0] for shard in shards)
 

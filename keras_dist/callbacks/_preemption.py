@@ -6,10 +6,13 @@ platform restarts on. Its default outside Google Cloud is 42, kept here.
 
 * One process: a Python ``SIGTERM`` handler, installed only while ``fit``
   runs, records the signal; the next batch end saves and exits.
-* Several processes: JAX's preemption notifier owns ``SIGTERM`` (it is why
-  such processes survive one, DESIGN §8) and its sync manager tells every
-  process the same batch to stop at, through
+* Several processes: JAX's preemption notifier records ``SIGTERM`` and its
+  sync manager tells every process the same batch to stop at, through
   ``multihost_utils.reached_preemption_sync_point``, asked at every batch end.
+  The notifier hears ``SIGTERM`` only while such a ``fit`` runs: keras_dist
+  takes the signal back from it when it starts ``jax.distributed`` (DESIGN
+  §8 and §12: otherwise SIGTERM would never end the process), and hands it
+  over here for the length of the ``fit``.
 """
 
 import itertools
@@ -19,6 +22,8 @@ import threading
 
 import jax
 from jax.experimental import multihost_utils
+
+from keras_dist import _distributed_runtime
 
 PREEMPTION_EXIT_CODE = 42
 
@@ -49,12 +54,17 @@ class PreemptionWatcher:
         self._installed = False
         self._previous = None
         self._received = False
+        self._give_sigterm_back = None
 
     def start(self) -> None:
-        """Starts watching: installs the ``SIGTERM`` handler of a single process."""
+        """Starts watching: installs the ``SIGTERM`` handler of a single process.
+
+        With several processes, ``SIGTERM`` goes to JAX's preemption notifier instead.
+        """
         self._received = False
         self._multi_process = _is_multi_process()
         if self._multi_process:
+            self._give_sigterm_back = _distributed_runtime.hand_sigterm_to_preemption_notifier()
             return
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
@@ -88,6 +98,9 @@ class PreemptionWatcher:
         return self._received
 
     def _restore(self) -> None:
+        give_back, self._give_sigterm_back = self._give_sigterm_back, None
+        if give_back is not None:
+            give_back()
         if self._installed:
             previous = self._previous if self._previous is not None else signal.SIG_DFL
             signal.signal(signal.SIGTERM, previous)

@@ -8,6 +8,13 @@ from keras_dist.cluster_resolver._coordinator import (
 from keras_dist.cluster_resolver._coordinator import (
     KubeflowClusterResolver as KubeflowClusterResolver,
 )
+from keras_dist.cluster_resolver._gce import GCEClusterResolver as GCEClusterResolver
+from keras_dist.cluster_resolver._kubernetes import (
+    KubernetesClusterResolver as KubernetesClusterResolver,
+)
+from keras_dist.cluster_resolver._kubernetes import (
+    KubernetesExecutableLocation as KubernetesExecutableLocation,
+)
 from keras_dist.cluster_resolver._multi_worker import collective_leader as collective_leader
 from keras_dist.cluster_resolver._multi_worker import id_in_cluster as id_in_cluster
 from keras_dist.cluster_resolver._multi_worker import is_chief as is_chief
@@ -33,8 +40,11 @@ from keras_dist.cluster_resolver._union import UnionResolver as UnionResolver
 __all__ = [
     "ClusterResolver",
     "ClusterSpec",
+    "GCEClusterResolver",
     "KerasDistributionClusterResolver",
     "KubeflowClusterResolver",
+    "KubernetesClusterResolver",
+    "KubernetesExecutableLocation",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",

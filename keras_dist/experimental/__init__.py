@@ -3,17 +3,25 @@
 from keras_dist._values._value_context import ValueContext as ValueContext
 from keras_dist.strategies import CentralStorageStrategy as CentralStorageStrategy
 from keras_dist.strategies import CollectiveCommunication as CollectiveCommunication
+from keras_dist.strategies import CollectiveHints as CollectiveHints
 from keras_dist.strategies import CommunicationImplementation as CommunicationImplementation
 from keras_dist.strategies import CommunicationOptions as CommunicationOptions
 from keras_dist.strategies import (
     ExperimentalMultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
+from keras_dist.train._preemption_handler import (
+    PreemptionCheckpointHandler as PreemptionCheckpointHandler,
+)
+from keras_dist.train._termination import TerminationConfig as TerminationConfig
 
 __all__ = [
     "CentralStorageStrategy",
     "CollectiveCommunication",
+    "CollectiveHints",
     "CommunicationImplementation",
     "CommunicationOptions",
     "MultiWorkerMirroredStrategy",
+    "PreemptionCheckpointHandler",
+    "TerminationConfig",
     "ValueContext",
 ]

@@ -22,6 +22,7 @@ from keras_dist.strategies._mirrored import MirroredStrategy as MirroredStrategy
 from keras_dist.strategies._multi_worker_mirrored import (
     CollectiveCommunication as CollectiveCommunication,
 )
+from keras_dist.strategies._multi_worker_mirrored import CollectiveHints as CollectiveHints
 from keras_dist.strategies._multi_worker_mirrored import (
     CommunicationImplementation as CommunicationImplementation,
 )
@@ -40,6 +41,7 @@ from keras_dist.strategies._strategy import Strategy as Strategy
 __all__ = [
     "CentralStorageStrategy",
     "CollectiveCommunication",
+    "CollectiveHints",
     "CommunicationImplementation",
     "CommunicationOptions",
     "ExperimentalMultiWorkerMirroredStrategy",

@@ -20,6 +20,7 @@ from keras_dist._cross_device_ops import select_cross_device_ops
 from keras_dist._devices import device_name
 from keras_dist._engine import CompiledEngine
 from keras_dist._engine import EagerEngine
+from keras_dist._engine import run_inline
 from keras_dist._keras import StrategyDistribution
 from keras_dist._mesh import replica_mesh
 from keras_dist._reduce_op import ReduceOp
@@ -158,6 +159,10 @@ class MeshExtended(StrategyExtended):
         if frame.strategy is strategy and frame.engine is not None and frame.engine.compiled:
             # From a merge_fn inside a compiled trace: the trace's replicas run it.
             return frame.engine.call_for_each_replica(fn, args, kwargs)
+        function_trace = _context.current_function_trace()
+        if function_trace is not None:
+            # Inside a kd.function: the replicas join the function's program.
+            return run_inline(self._compiled, self, fn, args, kwargs, function_trace)
         outer = _context.other_strategy_in_scope(strategy)
         if outer is not None:
             raise RuntimeError(
@@ -282,13 +287,23 @@ class MeshExtended(StrategyExtended):
     def reduce_value(self, reduce_op, value, axis):
         if isinstance(value, DistributedValues) and value.traced is not None:
             return value.traced.engine.reduce_with_axis(reduce_op, value, axis)
+        if isinstance(value, PerReplica) and isinstance(value.stacked, jax.core.Tracer):
+            # Inside a kd.function: a global reduction of the program's stacked result.
+            return _mesh_reductions.reduce_stacked_in_program(reduce_op, value, axis)
         if axis is None:
             if not isinstance(value, DistributedValues):
                 return self.reduce_non_distributed(reduce_op, value)
             if value.replica_sum is not None:
                 count = value.stacked.shape[0]
                 total = value.replica_sum.addressable_data(0)
-                return _mesh_reductions.mean_from_sum(reduce_op, total, count)
+                # Across workers TF's collectives divide integers as integers.
+                integer_division = self.spans_processes
+                return _mesh_reductions.mean_from_sum(reduce_op, total, count, integer_division)
+            if reduce_op is ReduceOp.MEAN and _is_integer(value) and not self.spans_processes:
+                # TF's MirroredStrategy divides integers into a float (replica ids 0..3
+                # give 1.5); its collective ops across workers divide as integers.
+                total = _mesh_reductions.first(self.reduce_to(ReduceOp.SUM, value, None))
+                return total / self.num_replicas_in_sync
             return _mesh_reductions.first(self.reduce_to(reduce_op, value, None))
         if not isinstance(value, DistributedValues):
             value = Mirrored((value,) * self.num_local_replicas, _validate=False)
@@ -297,6 +312,8 @@ class MeshExtended(StrategyExtended):
     def gather_value(self, value, axis):
         if isinstance(value, DistributedValues) and value.traced is not None:
             return value.traced.engine.gather_traced(value, axis)
+        if isinstance(value, PerReplica) and isinstance(value.stacked, jax.core.Tracer):
+            return jnp.concatenate(list(value.values), axis=axis)
         if not isinstance(value, DistributedValues):
             value = Mirrored((value,) * self.num_local_replicas, _validate=False)
         return _mesh_reductions.gather(self._placement, value.values, axis)
@@ -314,6 +331,11 @@ class MeshExtended(StrategyExtended):
 
 def _is_dv(x):
     return isinstance(x, DistributedValues)
+
+
+def _is_integer(value) -> bool:
+    leaves = jax.tree_util.tree_leaves(value.values[:1])
+    return bool(leaves) and all(jnp.issubdtype(jnp.result_type(x), jnp.integer) for x in leaves)
 
 
 def _engine_of_traced(values):

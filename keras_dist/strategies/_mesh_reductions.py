@@ -63,13 +63,27 @@ def first(value):
     return value
 
 
-def mean_from_sum(reduce_op, total, count):
-    """``total`` for SUM, ``total / count`` for MEAN (floor division for integers)."""
+def mean_from_sum(reduce_op, total, count, integer_division=False):
+    """``total`` for SUM, ``total / count`` for MEAN (floor division if asked, for integers)."""
     if reduce_op is ReduceOp.SUM:
         return total
-    if jnp.issubdtype(total.dtype, jnp.integer):
+    if integer_division and jnp.issubdtype(total.dtype, jnp.integer):
         return total // count
     return total / count
+
+
+def reduce_stacked_in_program(reduce_op, value, axis):
+    """``strategy.reduce`` of a stacked result inside a compiled program (``kd.function``)."""
+    stacked = value.stacked
+    if axis is None:
+        total = value.replica_sum if value.replica_sum is not None else jnp.sum(stacked, axis=0)
+        if reduce_op is ReduceOp.SUM:
+            return total
+        return total / stacked.shape[0]
+    per_replica_axis = axis + 1 if axis >= 0 else axis
+    if reduce_op is ReduceOp.SUM:
+        return jnp.sum(stacked, axis=(0, per_replica_axis))
+    return jnp.mean(stacked, axis=(0, per_replica_axis))
 
 
 def reduce_along_axis(placement, reduce_op, value, axis):

@@ -9,6 +9,8 @@ own rows of the global arrays.
 
 import enum
 import logging
+import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -70,10 +72,22 @@ class CommunicationOptions:
         timeout_seconds=None,
         implementation=CommunicationImplementation.AUTO,
     ):
-        if not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+        if not isinstance(bytes_per_pack, numbers.Integral) or isinstance(bytes_per_pack, bool):
+            raise TypeError(
+                "bytes_per_pack must be a non-negative integer (0 lets XLA choose). "
+                f"Received: bytes_per_pack={bytes_per_pack!r}"
+            )
+        if bytes_per_pack < 0:
             raise ValueError(
-                f"bytes_per_pack must be a non-negative integer. Received: "
-                f"bytes_per_pack={bytes_per_pack!r}"
+                "bytes_per_pack must be a non-negative integer (0 lets XLA choose). "
+                f"Received: bytes_per_pack={bytes_per_pack!r}"
+            )
+        if timeout_seconds is not None and (
+            not isinstance(timeout_seconds, numbers.Real) or isinstance(timeout_seconds, bool)
+        ):
+            raise TypeError(
+                "timeout_seconds must be a positive number of seconds, or None. "
+                f"Received: timeout_seconds={timeout_seconds!r}"
             )
         if timeout_seconds is not None and not timeout_seconds > 0:
             raise ValueError(
@@ -81,14 +95,21 @@ class CommunicationOptions:
                 f"Received: timeout_seconds={timeout_seconds!r}"
             )
         if isinstance(implementation, str):
-            try:
-                implementation = CommunicationImplementation[implementation.upper()]
-            except KeyError:
-                implementation = None
+            name = implementation.upper()
+            if name not in CommunicationImplementation.__members__:
+                raise ValueError(
+                    "implementation must be the name of a CommunicationImplementation "
+                    "(AUTO, RING or NCCL), or one of its members, e.g. "
+                    "kd.experimental.CommunicationImplementation.RING. Received: "
+                    f"implementation={implementation!r}"
+                )
+            implementation = CommunicationImplementation[name]
         if not isinstance(implementation, CommunicationImplementation):
-            raise ValueError(
+            raise TypeError(
                 "implementation must be a CommunicationImplementation (AUTO, RING or "
-                f"NCCL). Received: implementation={implementation!r}"
+                "NCCL) or its name as a string, e.g. "
+                "kd.experimental.CommunicationImplementation.RING or 'RING'. Received: "
+                f"implementation={implementation!r}"
             )
         self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = timeout_seconds
@@ -100,6 +121,36 @@ class CommunicationOptions:
             f"timeout_seconds={self.timeout_seconds}, "
             f"implementation={self.implementation.name})"
         )
+
+
+class CollectiveHints:
+    """Deprecated: TF's older name of ``CommunicationOptions``; use that instead.
+
+    Calling it warns (``DeprecationWarning``) and returns a
+    ``CommunicationOptions`` with the same ``bytes_per_pack`` and
+    ``timeout_seconds``, so it goes wherever ``CommunicationOptions`` goes,
+    e.g. ``kd.MultiWorkerMirroredStrategy(communication_options=...)``.
+
+    >>> import warnings
+    >>> import keras_dist as kd
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     options = kd.experimental.CollectiveHints(timeout_seconds=30)
+    >>> options
+    CommunicationOptions(bytes_per_pack=0, timeout_seconds=30, implementation=AUTO)
+    >>> caught[0].category.__name__
+    'DeprecationWarning'
+    """
+
+    def __new__(cls, bytes_per_pack=0, timeout_seconds=None) -> CommunicationOptions:
+        warnings.warn(
+            "kd.experimental.CollectiveHints is deprecated: use "
+            "kd.experimental.CommunicationOptions(bytes_per_pack=..., timeout_seconds=...) "
+            "instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return CommunicationOptions(bytes_per_pack=bytes_per_pack, timeout_seconds=timeout_seconds)
 
 
 class _ProcessLayout:
@@ -172,6 +223,8 @@ class MultiWorkerExtended(MeshExtended):
                 timeout_seconds=timeout,
                 # JAX picks NCCL between GPUs itself; CPU processes need gloo.
                 collectives="gloo",
+                # Process 0 hosts the coordinator: the chief, else worker 0.
+                coordinator_task=layout.task_names()[0],
             )
         local = tuple(jax.local_devices())
         everyone = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))

@@ -55,6 +55,11 @@ class Placement:
         self.cross_device_ops = cross_device_ops
 
     # --------------------------------------------------------------- running
+    @property
+    def serializes(self) -> bool:
+        """Whether multi-device executions run one at a time here (several CPU devices)."""
+        return self._serialize
+
     def execute(self, fn, *args):
         """Runs a multi-device program: one in flight at a time where jaxlib needs it."""
         if self._executor is not None and self._serialize:

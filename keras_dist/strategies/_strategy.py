@@ -141,7 +141,8 @@ class Strategy:
         """Splits each global batch of ``dataset`` between the replicas.
 
         ``dataset`` is any re-iterable of global batches (nests of arrays). A
-        last partial batch is split as evenly as possible; some replicas may
+        last partial batch is split as TF splits it (``ceil(rows / replicas)`` rows
+        per replica, in replica order: 10 rows on 4 replicas give 3, 3, 3, 1); some replicas may
         get empty batches, as in TF.
         """
         return DistributedDataset.from_global_batches(self, dataset, options)

@@ -1,0 +1,392 @@
+"""``kd.function``: ``tf.function`` for code around ``strategy.run``, compiled whole.
+
+A Python function that calls ``strategy.run``, ``strategy.reduce``, optimizer
+and metric updates is traced once per input signature into one ``jax.jit``
+program: each ``strategy.run`` inside becomes a ``shard_map`` of that program
+(``run_inline``), every variable it touches is threaded through as explicit,
+donated state, and a step costs one dispatch.
+
+Variables are found by tracing: the first trace of a signature records the
+variables the code reads, writes, or whose strategy runs a replica function,
+and the function is traced again with them as state (as ``tf.function`` traces
+again when a first call creates variables). Per-replica inputs of different
+shapes (a partial last batch) run the Python function as it is: every
+``strategy.run`` in it then compiles per shape on its own.
+"""
+
+import collections
+import contextlib
+import functools
+import types
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keras_dist import _config
+from keras_dist import _context
+from keras_dist._engine._compiled import copy_shared_buffers
+from keras_dist._engine._function_key import FunctionKey
+from keras_dist._engine._gate import GATE
+from keras_dist._engine._inline import FunctionScope
+from keras_dist._engine._inline import FunctionTrace
+from keras_dist._engine._retracing import RetraceMonitor
+from keras_dist._engine._retracing import retrace_cause
+from keras_dist._input import DistributedIterator
+from keras_dist._keras import KerasVariable
+from keras_dist._keras import initialize_pending_variables
+from keras_dist._keras import pending_variables
+from keras_dist._values import DistributedValues
+from keras_dist._values import Mirrored
+from keras_dist._values import PerReplica
+from keras_dist._values._variables import DistributedVariable
+from keras_dist._values._variables import SyncOnReadVariable
+
+_MAX_TRACES = 6
+
+
+class _Program:
+    """One compiled program of a ``kd.function``, and the state it threads (weakly)."""
+
+    def __init__(self, compiled, lowered, state, extendeds, out_record, versions):
+        self.compiled = compiled
+        self.lowered = lowered  # kept for inspection: tests count collectives in it
+        self._state = [weakref.ref(v) for v in state]
+        self.extendeds = extendeds
+        self.out_treedef, self.out_layout = out_record
+        self.versions = versions
+
+    def current(self) -> bool:
+        alive = all(r() is not None for r in self._state)
+        return alive and self.versions == _versions(self.extendeds)
+
+    def __call__(self, dynamic):
+        state = [r() for r in self._state]
+        values = [_state_value(v, self.extendeds) for v in state]
+        copy_shared_buffers(values)
+        serialize = any(e.placement is not None and e.placement.serializes for e in self.extendeds)
+        new_state, outputs = GATE.call(serialize, self.compiled, values, dynamic)
+        for variable, value in zip(state, new_state):
+            _store_state(variable, value)
+        return _rebuild(self.out_treedef, self.out_layout, outputs)
+
+
+def _traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _state_value(variable, extendeds):
+    if isinstance(variable, SyncOnReadVariable):
+        return variable.stored()
+    if isinstance(variable, DistributedVariable):
+        return variable.distribute_strategy.extended.compute_value(variable)
+    value = variable.value
+    if extendeds and extendeds[0].placement is not None:
+        return extendeds[0].placement.replicate(value)  # beside the strategy's arrays
+    return value
+
+
+def _store_state(variable, value):
+    if isinstance(variable, SyncOnReadVariable):
+        variable.store(value)
+    elif isinstance(variable, DistributedVariable):
+        variable.distribute_strategy.extended.store_computed(variable, value)
+    else:
+        KerasVariable.assign(variable, value)
+
+
+def _versions(extendeds) -> tuple:
+    return tuple(e.variable_state().version for e in extendeds)
+
+
+_PER_REPLICA, _ARRAY = object(), object()
+
+
+def _flatten_outputs(outputs):
+    leaves, treedef = jax.tree_util.tree_flatten(outputs, is_leaf=_is_output_leaf)
+    arrays, layout = [], []
+    for leaf in leaves:
+        if isinstance(leaf, KerasVariable):
+            leaf = leaf.value
+        if isinstance(leaf, PerReplica) and _traced(leaf.stacked):
+            arrays.append((leaf.stacked, leaf.replica_sum))
+            layout.append(_PER_REPLICA)
+        elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or _traced(leaf):
+            arrays.append(jnp.asarray(leaf))
+            layout.append(_ARRAY)
+        else:
+            layout.append(leaf)
+    return arrays, (treedef, layout)
+
+
+def _rebuild(treedef, layout, arrays):
+    arrays = iter(arrays)
+    leaves = []
+    for slot in layout:
+        if slot is _PER_REPLICA:
+            stacked, total = next(arrays)
+            value = PerReplica(None, _stacked=stacked, _validate=False)
+            value.replica_sum = total
+            leaves.append(value)
+        elif slot is _ARRAY:
+            leaves.append(next(arrays))
+        else:
+            leaves.append(slot)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _is_output_leaf(x):
+    return x is None or isinstance(x, (PerReplica, KerasVariable))
+
+
+def _is_argument_leaf(x):
+    return x is None or isinstance(x, (DistributedValues, KerasVariable))
+
+
+class Function:
+    """A Python function compiled whole, once per input signature (``tf.function``).
+
+    Use it as ``@kd.function`` or ``@kd.function(input_signature=...,
+    jit_compile=..., reduce_retracing=...)`` (TF's arguments are accepted; the
+    program is always compiled with XLA), on functions and on methods.
+    """
+
+    def __init__(self, python_function, **options):
+        functools.update_wrapper(self, python_function)
+        self.python_function = python_function
+        self._options = options
+        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._state: list = []  # weak references to the variables found so far
+        self._tracing_count = 0
+        self._retraces = RetraceMonitor()
+        self._last_traced: dict = {}
+        self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._code = FunctionKey(python_function).code
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self
+        bound = self._bound.get(instance)
+        if bound is None:
+            bound = Function(types.MethodType(self.python_function, instance), **self._options)
+            self._bound[instance] = bound
+        return bound
+
+    def experimental_get_tracing_count(self) -> int:
+        """How many programs this function has built (one per input signature)."""
+        return self._tracing_count
+
+    def __call__(self, *args, **kwargs):
+        if _context.current_function_trace() is not None or _config.functions_run_eagerly():
+            return self.python_function(*args, **kwargs)  # inside another trace: inline
+        # A distributed iterator (TF's `train_step(iterator)` with `next(iterator)`
+        # inside): its next element is read here and becomes an input of the program.
+        args, kwargs = _with_next_elements((args, kwargs))
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_argument_leaf)
+        kinds, dynamic, signature, statics = [], [], [], []
+        for index, leaf in enumerate(leaves):
+            kind, array = _classify(leaf)
+            if kind == "uneven":
+                # Replicas' inputs of different shapes: one program cannot take them.
+                return self.python_function(*args, **kwargs)
+            kinds.append(kind)
+            if kind is None:
+                statics.append((index, _static_key(leaf)))
+                continue
+            dynamic.append(array)
+            signature.append((kind, array.shape, array.dtype, getattr(array, "weak_type", False)))
+        key = (treedef, tuple(statics), tuple(signature))
+        program = self._programs.get(key)
+        code = self._code
+        if program is not None and program.current():
+            self._programs.move_to_end(key)
+            self._retraces.record(code, traced=False)
+            return self._locked(program, dynamic)
+        cause = retrace_cause(self._last_traced.get(code), (None, key[1], key[2]))
+        self._last_traced[code] = (None, key[1], key[2])
+        self._retraces.record(code, traced=True, cause=cause)
+        program = self._build(treedef, leaves, kinds, dynamic)
+        self._programs[key] = program
+        return self._locked(program, dynamic)
+
+    def _locked(self, program, dynamic):
+        extendeds = program.extendeds
+        if not extendeds:
+            return program(dynamic)
+        with extendeds[0].lock:
+            return program(dynamic)
+
+    def _build(self, treedef, leaves, kinds, dynamic):
+        state = [v for v in (r() for r in self._state) if v is not None]
+        for _ in range(_MAX_TRACES):
+            trace = FunctionTrace(state)
+            jitted = jax.jit(
+                self._traceable(trace, state, treedef, leaves, kinds), donate_argnums=0
+            )
+            traced = jitted.trace([_state_value(v, trace.extendeds) for v in state], dynamic)
+            again = trace.created_variables
+            if pending_variables():
+                # Created in the trace (optimizer slots): they take their first
+                # values, and their distributed class, under the strategy.
+                strategies = [e.container_strategy for e in trace.extendeds]
+                frame = _context.Frame(strategies[0], None) if strategies else None
+                with _context.push(frame) if frame else contextlib.nullcontext():
+                    initialize_pending_variables()
+                again = True
+            for extended in trace.extendeds:
+                current = extended.variable_state()
+                trace.need(current.mirrored + current.sync_on_read)
+            if trace.needed:
+                state = state + list(trace.needed.values())
+                again = True
+            if not again:
+                break
+        else:
+            raise RuntimeError(
+                "The function kept creating new variables on every trace. Create "
+                "variables once, before the first call (build the model and the "
+                f"optimizer first). Received: {self.python_function!r}"
+            )
+        self._state = [weakref.ref(v) for v in state]
+        self._tracing_count += 1
+        lowered = traced.lower()
+        return _Program(
+            lowered.compile(),
+            lowered,
+            state,
+            trace.extendeds,
+            self._out_record,
+            _versions(trace.extendeds),
+        )
+
+    def _traceable(self, trace, state, treedef, leaves, kinds):
+        def program(state_values, dynamic_values):
+            mapping = {id(v): x for v, x in zip(state, state_values)}
+            dynamic_iter = iter(dynamic_values)
+            rebuilt = []
+            for leaf, kind in zip(leaves, kinds):
+                if kind is None:
+                    rebuilt.append(leaf)
+                elif kind == "r":
+                    rebuilt.append(PerReplica(None, _stacked=next(dynamic_iter), _validate=False))
+                elif kind == "m":
+                    rebuilt.append(Mirrored(None, _replicated=next(dynamic_iter), _validate=False))
+                else:
+                    rebuilt.append(next(dynamic_iter))
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, rebuilt)
+            scope = FunctionScope(mapping, trace, state)
+            trace.scope = scope
+            with _context.function_trace(trace), scope:
+                outputs = self.python_function(*args, **kwargs)
+            arrays, self._out_record = _flatten_outputs(outputs)
+            # New values keep their variables' shardings: no resharding next step.
+            new_state = [
+                _keep_sharding(scope.state_mapping[id(v)], x) for v, x in zip(state, state_values)
+            ]
+            return new_state, arrays
+
+        return program
+
+
+def _keep_sharding(new, old):
+    sharding = getattr(old, "sharding", None)
+    if sharding is None or getattr(new, "shape", None) != old.shape:
+        return new
+    return jax.lax.with_sharding_constraint(new, sharding)
+
+
+class _NextElement:
+    """An iterator argument inside a ``kd.function``: ``next()`` gives the element read for it."""
+
+    def __init__(self, element):
+        self._element = element
+        self._taken = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._taken:
+            raise RuntimeError(
+                "A kd.function reads one element of each iterator argument per call: "
+                "`next(iterator)` was called twice in one call. Call the function once "
+                "per step, or pass the elements as arguments. Received: a second "
+                "`next(iterator)`"
+            )
+        self._taken = True
+        return self._element
+
+    get_next = __next__
+
+
+jax.tree_util.register_pytree_node(
+    _NextElement, lambda n: ((n._element,), None), lambda _, children: _NextElement(children[0])
+)
+
+
+def _with_next_elements(structure):
+    """``structure`` with each distributed iterator in it replaced by its next element."""
+    leaves, treedef = jax.tree_util.tree_flatten(
+        structure, is_leaf=lambda x: isinstance(x, DistributedIterator) or _is_argument_leaf(x)
+    )
+    if not any(isinstance(x, DistributedIterator) for x in leaves):
+        return structure
+    leaves = [_NextElement(next(x)) if isinstance(x, DistributedIterator) else x for x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _classify(leaf):
+    if isinstance(leaf, PerReplica):
+        stacked = leaf.stacked
+        if isinstance(stacked, jax.Array):
+            return "r", stacked
+        return "uneven", None  # components per device (or a host batch): run as Python
+    if isinstance(leaf, DistributedValues):
+        if leaf.replicated is not None:
+            return "m", leaf.replicated
+        return "uneven", None
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return "a", leaf
+    return None, None
+
+
+def _static_key(leaf):
+    if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
+        return (type(leaf), leaf)
+    return (type(leaf), id(leaf))
+
+
+def function(func=None, *, input_signature=None, jit_compile=None, reduce_retracing=False, **kw):
+    """Compiles a function around ``strategy.run`` into one program: ``tf.function``'s port.
+
+    Works as ``@kd.function`` and ``@kd.function(...)``, on functions and
+    methods. The function is traced once per input signature (array shapes and
+    dtypes, distributed-value layout, Python values), every variable it uses is
+    threaded through as state, and each ``strategy.run`` inside becomes part of
+    the one program: a step is one dispatch.
+
+    >>> import keras, keras_dist as kd
+    >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    >>> with strategy.scope():
+    ...     total = keras.Variable(0.0, aggregation="sum")
+    >>> @kd.function
+    ... def step():
+    ...     def replica_fn():
+    ...         total.assign_add(kd.get_replica_context().replica_id_in_sync_group + 1.0)
+    ...         return total.value
+    ...     return strategy.reduce("MEAN", strategy.run(replica_fn), axis=None)
+    >>> float(step()), float(step())
+    (3.0, 6.0)
+    >>> step.experimental_get_tracing_count()
+    1
+    """
+    options = dict(
+        input_signature=input_signature,
+        jit_compile=jit_compile,
+        reduce_retracing=reduce_retracing,
+        **kw,
+    )
+    if func is None:
+        return lambda f: Function(f, **options)
+    return Function(func, **options)

@@ -1,0 +1,144 @@
+"""``FunctionKey``: a replica function in a cache key, recognised and held weakly.
+
+The compiled engine caches one program per replica function and input
+signature. Two things matter for that key:
+
+* It must not keep the function alive: a cache that held the functions (and
+  the models they close over) would keep every model ever trained.
+* A function re-created on every call with the same code and the same captured
+  objects is the same function. TF tutorials define ``step_fn`` inside
+  ``train_step``, so every call passes a new closure to ``strategy.run``;
+  ``tf.function`` hid that, and a key on the function object would trace and
+  compile every step again.
+
+>>> def make():
+...     def step():
+...         return 1
+...     return step
+>>> FunctionKey(make()) == FunctionKey(make())
+True
+"""
+
+import types
+import weakref
+
+_UNRECOGNISABLE = object()
+
+
+class FunctionKey:
+    """A callable as a cache key: its code and what it captures, not the object itself.
+
+    * A plain function or lambda is its code, globals, defaults and the objects
+      its closure cells hold (by identity, held weakly; numbers, strings and
+      other hashable values by value).
+    * A bound method (made afresh at every attribute access) is its function
+      and the object it is bound to.
+    * Any other callable is itself, held weakly.
+    """
+
+    __slots__ = ("_parts", "_hash", "code")
+
+    def __init__(self, fn):
+        if isinstance(fn, types.MethodType):
+            parts = (_Identity(fn.__func__), _Identity(fn.__self__))
+            self.code = getattr(fn.__func__, "__code__", fn.__func__)
+        elif isinstance(fn, types.FunctionType):
+            parts = _function_parts(fn)
+            self.code = fn.__code__
+        else:
+            parts = (_Identity(fn),)
+            self.code = type(fn)
+        self._parts = parts
+        self._hash = hash(parts)
+
+    @property
+    def alive(self) -> bool:
+        """False once an object the key refers to is gone (the entry can never match)."""
+        return all(part.alive for part in self._parts)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, FunctionKey)
+            and self._hash == other._hash
+            and self.alive
+            and self._parts == other._parts
+        )
+
+
+def _function_parts(fn) -> tuple:
+    captured = [cell.cell_contents for cell in (fn.__closure__ or ()) if _filled(cell)]
+    captured += list(fn.__defaults__ or ())
+    captured += sorted((fn.__kwdefaults__ or {}).items(), key=lambda item: item[0])
+    parts = [_Value(fn.__code__), _Identity(fn.__globals__, weak=False)]
+    for value in captured:
+        part = _part(value)
+        if part is _UNRECOGNISABLE:
+            return (_Identity(fn),)  # not comparable: the function object itself
+        parts.append(part)
+    return tuple(parts)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 -- an empty cell raises ValueError
+    except ValueError:
+        return False
+    return True
+
+
+def _part(value):
+    try:
+        return _Identity(value)
+    except TypeError:
+        pass
+    try:
+        hash(value)
+    except TypeError:
+        return _UNRECOGNISABLE
+    return _Value(value)
+
+
+class _Identity:
+    """An object compared by identity; weakly held where it can be."""
+
+    __slots__ = ("_ref", "_id")
+
+    def __init__(self, value, weak=True):
+        self._id = id(value)
+        self._ref = weakref.ref(value) if weak else (lambda: value)
+
+    @property
+    def alive(self) -> bool:
+        return self._ref() is not None
+
+    def __hash__(self):
+        return self._id
+
+    def __eq__(self, other):
+        if not isinstance(other, _Identity) or self._id != other._id:
+            return False
+        mine = self._ref()
+        return mine is not None and mine is other._ref()
+
+
+class _Value:
+    """A hashable value compared by type and equality (numbers, strings, code)."""
+
+    __slots__ = ("_value",)
+    alive = True
+
+    def __init__(self, value):
+        self._value = value
+
+    def __hash__(self):
+        return hash((type(self._value), self._value))
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, _Value)
+            and type(self._value) is type(other._value)
+            and self._value == other._value
+        )

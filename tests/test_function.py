@@ -1,0 +1,160 @@
+"""``kd.function``: a ported ``@tf.function`` step compiles whole, once per signature."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+
+import keras_dist as kd
+from keras_dist._engine._retracing import RetracingWarning
+
+GLOBAL_BATCH = 32
+ROWS = 178  # a partial last batch of 18 rows: 5, 5, 5, 3 on 4 replicas (TF's split)
+
+
+def _data():
+    rng = np.random.RandomState(0)
+    x = rng.rand(ROWS, 8).astype("float32")
+    y = rng.randint(0, 3, ROWS).astype("int32")
+    return [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, ROWS, 32)]
+
+
+def _build(strategy):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+        )
+        optimizer = keras.optimizers.Adam(0.01)
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+    return model, optimizer, accuracy
+
+
+_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+def _tutorial_step(strategy, model, optimizer, accuracy):
+    """TF's custom-training tutorial's step: step_fn defined inside, a new closure each call."""
+
+    def train_step(dist_inputs):
+        def step_fn(inputs):
+            images, labels = inputs
+
+            def loss_fn():
+                logits = model(images, training=True)
+                loss = _LOSS(labels, logits)
+                return kd.nn.compute_average_loss(loss, global_batch_size=GLOBAL_BATCH), logits
+
+            (loss, logits), grads = kd.value_and_grad(
+                loss_fn, model.trainable_variables, has_aux=True
+            )()
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            accuracy.update_state(labels, logits)
+            return loss
+
+        per_replica_losses = strategy.run(step_fn, args=(dist_inputs,))
+        return strategy.reduce("SUM", per_replica_losses, axis=None)
+
+    return train_step
+
+
+def _train(step, strategy, epochs=2):
+    dataset = strategy.experimental_distribute_dataset(_data())
+    return [float(step(batch)) for _ in range(epochs) for batch in dataset]
+
+
+def test_the_tutorial_step_as_kd_function_gives_the_losses_of_one_device():
+    strategy = kd.MirroredStrategy(cpus(4))
+    model, optimizer, accuracy = _build(strategy)
+    train_step = kd.function(_tutorial_step(strategy, model, optimizer, accuracy))
+    losses = _train(train_step, strategy)
+    # One program for the full batches; the partial last batch runs as Python.
+    assert train_step.experimental_get_tracing_count() == 1
+
+    one = kd.OneDeviceStrategy("/cpu:0")
+    reference, ref_optimizer, ref_accuracy = _build(one)
+    expected = _train(_tutorial_step(one, reference, ref_optimizer, ref_accuracy), one)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert int(optimizer.iterations) == int(ref_optimizer.iterations) == 12
+    np.testing.assert_allclose(float(accuracy.result()), float(ref_accuracy.result()), rtol=1e-6)
+
+
+def test_a_function_equals_the_same_step_without_it():
+    strategy = kd.MirroredStrategy(cpus(2))
+    results = []
+    for decorate in (False, True):
+        model, optimizer, accuracy = _build(strategy)
+        step = _tutorial_step(strategy, model, optimizer, accuracy)
+        step = kd.function(step) if decorate else step
+        results.append((_train(step, strategy, epochs=1), model.get_weights()))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_decorator_forms_methods_and_tf_arguments():
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        counter = keras.Variable(0.0, aggregation="mean")
+
+    class Trainer:
+        @kd.function(input_signature=None, jit_compile=True, reduce_retracing=True)
+        def step(self, increment):
+            def replica_fn(x):
+                counter.assign_add(x)
+                return counter.value
+
+            return strategy.reduce("MEAN", strategy.run(replica_fn, args=(increment,)), None)
+
+    trainer = Trainer()
+    assert float(trainer.step(np.float32(2.0))) == 2.0
+    assert float(trainer.step(np.float32(3.0))) == 5.0
+    assert trainer.step.experimental_get_tracing_count() == 1
+    assert float(counter.value) == 5.0
+
+
+def test_a_metric_read_inside_the_function_is_aggregated():
+    strategy = kd.MirroredStrategy(cpus(4))
+    with strategy.scope():
+        mean = keras.metrics.Mean()
+
+    @kd.function
+    def step(values):
+        strategy.run(lambda v: mean.update_state(v), args=(values,))
+        return mean.result()
+
+    batches = strategy.experimental_distribute_dataset([np.arange(8, dtype="float32")])
+    (batch,) = list(batches)
+    assert float(step(batch)) == pytest.approx(3.5)
+    assert float(mean.result()) == pytest.approx(3.5)
+
+
+def test_changing_shapes_retrace_and_warn():
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    @kd.function
+    def step(x):
+        return strategy.reduce("SUM", strategy.run(lambda v: v * 2.0, args=(x,)), axis=None)
+
+    with pytest.warns(RetracingWarning, match="new shapes or dtypes"):
+        for n in range(1, 7):
+            assert float(step(np.ones(n, "float32")).sum()) == 4.0 * n
+    assert step.experimental_get_tracing_count() == 6
+
+
+def test_a_function_taking_the_iterator_reads_one_element_per_call():
+    # TF's custom-training guide: `train_step(iterator)` calls `next(iterator)` inside.
+    strategy = kd.MirroredStrategy(cpus(2))
+    batches = [np.full((4,), float(i), "float32") for i in range(3)]
+
+    @kd.function
+    def train_step(iterator):
+        return strategy.reduce("SUM", strategy.run(lambda x: x, args=(next(iterator),)), axis=0)
+
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+    assert [float(train_step(iterator)) for _ in range(3)] == [0.0, 4.0, 8.0]
+    assert train_step.experimental_get_tracing_count() == 1
+    with pytest.raises(StopIteration):
+        train_step(iterator)

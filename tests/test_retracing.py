@@ -1,0 +1,89 @@
+"""No silent retracing: re-created closures hit the cache, and frequent retracing warns."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+
+import keras_dist as kd
+from keras_dist._engine._retracing import RetracingWarning
+
+
+def _traces(strategy):
+    return strategy.extended._compiled.trace_count
+
+
+def test_a_closure_recreated_on_every_call_is_traced_once():
+    # TF's tutorials define step_fn inside train_step: a new closure every call.
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+    x = np.ones((4, 3), "float32")
+
+    def train_step(inputs):
+        def step_fn(batch):
+            def loss_fn():
+                return kd.nn.compute_average_loss(model(batch)[:, 0] ** 2)
+
+            loss, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        losses = strategy.run(step_fn, args=(inputs,))
+        return strategy.reduce("SUM", losses, axis=None)
+
+    dataset = strategy.experimental_distribute_dataset([x] * 6)
+    first = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RetracingWarning)
+        for i, batch in enumerate(dataset):
+            train_step(batch)
+            if i == 1:
+                first = _traces(strategy)
+    assert _traces(strategy) == first  # steps 3..6 traced nothing
+    assert int(optimizer.iterations) == 6
+
+
+def test_closures_capturing_different_objects_are_different_functions():
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    def make(scale):
+        return lambda: scale * 1.0
+
+    assert float(strategy.reduce("SUM", strategy.run(make(2.0)), axis=None)) == 4.0
+    assert float(strategy.reduce("SUM", strategy.run(make(3.0)), axis=None)) == 6.0
+    before = _traces(strategy)
+    assert float(strategy.reduce("SUM", strategy.run(make(3.0)), axis=None)) == 6.0
+    assert _traces(strategy) == before
+
+
+@pytest.mark.parametrize(
+    "call, cause",
+    [
+        (lambda s, i: s.run(lambda x: x * 2, args=(np.ones(i + 1),)), "new shapes or dtypes"),
+        (lambda s, i: s.run(lambda x: x * 2, args=(float(i),)), "new Python values"),
+    ],
+    ids=["shapes", "python-values"],
+)
+def test_frequent_retracing_warns_with_its_cause(call, cause):
+    strategy = kd.MirroredStrategy(cpus(2))
+    with pytest.warns(RetracingWarning, match=f"5 of the last 5 calls.*{cause}"):
+        for i in range(6):
+            call(strategy, i)
+
+
+def test_a_new_function_object_each_call_warns():
+    strategy = kd.MirroredStrategy(cpus(2))
+    values = []
+
+    def fresh(i):
+        captured = [i]  # a list: not comparable by value, so each closure is new
+        return lambda: captured[0] * 1.0
+
+    with pytest.warns(RetracingWarning, match="a new function object"):
+        for i in range(6):
+            values.append(float(strategy.reduce("SUM", strategy.run(fresh(i)), axis=None)))
+    assert values == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
