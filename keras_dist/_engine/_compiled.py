@@ -251,14 +251,7 @@ class CompiledEngine:
             body = self.replica_body(
                 fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record
             )
-            stacked_out = extended.num_replicas_in_sync > 1
-            mapped = jax.shard_map(
-                body,
-                mesh=extended.placement.mesh,
-                in_specs=(P(), P(AXIS), P(), [P(AXIS) if k == "r" else P() for k in kinds if k]),
-                out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P(), P(), P()),
-                check_vma=False,
-            )
+            mapped, stacked_out = self.shard_mapped(body, kinds)
             jitted = jax.jit(mapped, donate_argnums=(0, 1))
             traced = jitted.trace(
                 [extended.compute_value(v) for v in mirrored],
@@ -277,6 +270,23 @@ class CompiledEngine:
             )
         self.check_assignments(record, mirrored, sync_on_read)
         return _Entry(extended, traced.lower(), mirrored, sync_on_read, foreign, record)
+
+    def shard_mapped(self, body, kinds):
+        """``replica_body`` over the mesh: state and replicated inputs whole, per-replica
+        inputs, SyncOnRead components and outputs split along ``"replica"``.
+
+        Returns the mapped function and whether its outputs are stacked per replica.
+        """
+        extended = self._extended
+        stacked_out = extended.num_replicas_in_sync > 1
+        mapped = jax.shard_map(
+            body,
+            mesh=extended.placement.mesh,
+            in_specs=(P(), P(AXIS), P(), [P(AXIS) if k == "r" else P() for k in kinds if k]),
+            out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P(), P(), P()),
+            check_vma=False,
+        )
+        return mapped, stacked_out
 
     def replica_body(self, fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record):
         """The function ``shard_map`` runs: ``fn`` on one replica, variables threaded as state."""

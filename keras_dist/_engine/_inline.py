@@ -10,7 +10,6 @@ threaded yet (the function is then traced again with it).
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from keras_dist import _context
 from keras_dist._engine._compiled import TraceRecord
@@ -19,7 +18,6 @@ from keras_dist._engine._compiled_replica import is_input_leaf
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import pending_variables
 from keras_dist._keras import variable_has_value
-from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._replica_context import running_replica_context
 from keras_dist._values import DistributedValues
 from keras_dist._values import PerReplica
@@ -130,14 +128,7 @@ def run_inline(engine, extended, fn, args, kwargs, trace):
     )
     record = TraceRecord()
     body = engine.replica_body(fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record)
-    stacked_out = extended.num_replicas_in_sync > 1
-    mapped = jax.shard_map(
-        body,
-        mesh=extended.placement.mesh,
-        in_specs=(P(), P(AXIS), P(), [P(AXIS) if k == "r" else P() for k in kinds if k]),
-        out_specs=(P(), P(AXIS), P(AXIS) if stacked_out else P(), P(), P()),
-        check_vma=False,
-    )
+    mapped, stacked_out = engine.shard_mapped(body, kinds)
     new_mirrored, new_sync_on_read, arrays, sums, replicated = mapped(*values, dynamic)
     trace.need(v for v in record.unmapped.values() if not isinstance(v, DistributedVariable))
     threaded = {id(v) for v in mirrored} | {id(v) for v in sync_on_read}

@@ -47,6 +47,13 @@ class ClusterResolver(abc.ABC):
     def master(self, task_type=None, task_id=None, rpc_layer=None):
         """The address of a task (this one by default), prefixed by ``rpc_layer://``."""
 
+    def task_master(self, task_type, task_id, rpc_layer) -> str:
+        """``rpc_layer://address`` of a task of ``cluster_spec()``; ``""`` without a task."""
+        if task_type is None or task_id is None:
+            return ""
+        address = self.cluster_spec().task_address(task_type, task_id)
+        return _format_master_url(address, rpc_layer)
+
     @property
     def environment(self):
         """The environment the cluster runs in: ``""`` or, as in TF, ``"google"``."""

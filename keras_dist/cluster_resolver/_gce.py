@@ -7,7 +7,6 @@ is optional (``pip install "keras_dist[gce]"``); any object shaped like its
 """
 
 from keras_dist.cluster_resolver._base import ClusterResolver
-from keras_dist.cluster_resolver._base import _format_master_url
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 
 
@@ -163,7 +162,4 @@ class GCEClusterResolver(ClusterResolver):
         """``rpc_layer://ip:port`` of a task, by default this one."""
         task_type = self._task_type if task_type is None else task_type
         task_id = self._task_id if task_id is None else task_id
-        if task_type is None or task_id is None:
-            return ""
-        address = self.cluster_spec().task_address(task_type, task_id)
-        return _format_master_url(address, rpc_layer or self._rpc_layer)
+        return self.task_master(task_type, task_id, rpc_layer or self._rpc_layer)

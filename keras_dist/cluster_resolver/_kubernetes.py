@@ -9,7 +9,6 @@ its ``list_pod_for_all_namespaces`` method can stand in for it.
 import enum
 
 from keras_dist.cluster_resolver._base import ClusterResolver
-from keras_dist.cluster_resolver._base import _format_master_url
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 
 _DEFAULT_JOB_TO_LABEL_MAPPING = {"worker": ["job-name=tensorflow"]}
@@ -139,7 +138,4 @@ class KubernetesClusterResolver(ClusterResolver):
         """``rpc_layer://host:port`` of a task, by default this one; ``""`` if it is not set."""
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
-        if task_type is None or task_id is None:
-            return ""
-        address = self.cluster_spec().task_address(task_type, task_id)
-        return _format_master_url(address, rpc_layer or self.rpc_layer)
+        return self.task_master(task_type, task_id, rpc_layer or self.rpc_layer)
