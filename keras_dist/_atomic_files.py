@@ -18,9 +18,11 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import uuid
 
 TEMPORARY_MARK = ".keras_dist-tmp-"
+_HOST = socket.gethostname().replace(".", "_").replace("-", "_")
 
 
 def fsync_file(path: str) -> None:
@@ -44,9 +46,39 @@ def fsync_dir(path: str) -> None:
 
 
 def temporary_sibling(path: str) -> str:
-    """A fresh name beside ``path`` that keeps its ending (``.keras``, ``.weights.h5``)."""
+    """A fresh name beside ``path`` that keeps its ending (``.keras``, ``.weights.h5``).
+
+    It names its writer (host and process id), so that what a killed writer
+    left can be told from what a live one is writing (``remove_stale_temporaries``).
+    """
     directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f"{TEMPORARY_MARK}{uuid.uuid4().hex[:12]}-{name}")
+    writer = f"{_HOST}.{os.getpid()}"
+    return os.path.join(directory, f"{TEMPORARY_MARK}{writer}.{uuid.uuid4().hex[:8]}-{name}")
+
+
+def remove_stale_temporaries(directory: str) -> None:
+    """Removes temporary files that writers on this host left when they were killed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(TEMPORARY_MARK):
+            continue
+        host, _, rest = name[len(TEMPORARY_MARK) :].partition(".")
+        pid = rest.partition(".")[0]
+        if host == _HOST and pid.isdigit() and not _alive(int(pid)):
+            remove_tree(os.path.join(directory, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -63,6 +63,8 @@ def _saving_atomically(model):
 
     def atomic(save):
         def write(filepath, *args, **kwargs):
+            directory = os.path.dirname(os.path.abspath(str(filepath)))
+            _atomic_files.remove_stale_temporaries(directory)  # left by a killed writer
             with _atomic_files.replaced_atomically(str(filepath)) as temporary:
                 return save(temporary, *args, **kwargs)
 

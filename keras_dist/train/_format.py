@@ -90,7 +90,9 @@ def write(save_path: str, values: dict, paths: dict) -> None:
     ``paths`` names each key's variable, for error messages when reading.
     """
     target = file_of(save_path)
-    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    directory = os.path.dirname(os.path.abspath(target))
+    os.makedirs(directory, exist_ok=True)
+    _atomic_files.remove_stale_temporaries(directory)  # left by a writer that was killed
     index = {"format": FORMAT, "version": VERSION, "values": {}}
     with _atomic_files.replaced_atomically(target) as temporary:
         with zipfile.ZipFile(temporary, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
