@@ -158,3 +158,96 @@ def test_a_function_taking_the_iterator_reads_one_element_per_call():
     assert train_step.experimental_get_tracing_count() == 1
     with pytest.raises(StopIteration):
         train_step(iterator)
+
+
+class _Scale:
+    def __init__(self, factor):
+        self.factor = factor
+
+
+@pytest.mark.parametrize("compiled_whole", [False, True], ids=["run", "kd.function"])
+def test_a_new_python_object_argument_is_never_mistaken_for_a_freed_one(compiled_whole):
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    def step(x, scale):
+        return strategy.reduce(
+            "SUM", strategy.run(lambda v: v * scale.factor, args=(x,)), axis=None
+        )
+
+    step = kd.function(step) if compiled_whole else step
+    x = np.ones(2, "float32")
+    # Each _Scale dies after its call, and the next may get its address.
+    got = [float(np.sum(step(x, _Scale(float(i))))) for i in range(1, 6)]
+    assert got == [4.0, 8.0, 12.0, 16.0, 20.0]
+
+
+def test_a_metric_reset_inside_the_function_keeps_its_layout():
+    strategy = kd.MirroredStrategy(cpus(4))
+    with strategy.scope():
+        mean = keras.metrics.Mean()
+
+    @kd.function
+    def step(values):
+        mean.reset_state()
+        strategy.run(lambda v: mean.update_state(v), args=(values,))
+        return mean.result()
+
+    (first,) = list(strategy.experimental_distribute_dataset([np.arange(8, dtype="float32")]))
+    (second,) = list(strategy.experimental_distribute_dataset([np.arange(8, 16, dtype="f4")]))
+    assert float(step(first)) == pytest.approx(3.5)
+    assert float(step(second)) == pytest.approx(11.5)
+
+
+@pytest.mark.parametrize("compiled_whole", [False, True], ids=["run", "kd.function"])
+def test_a_variables_own_value_as_an_argument_is_not_donated_away(compiled_whole):
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        w = keras.Variable(np.ones(3, "float32"), aggregation="mean")
+
+    def step(value):
+        def replica_fn(v):
+            w.assign(v * 2.0)
+            return v
+
+        return strategy.reduce("SUM", strategy.run(replica_fn, args=(value,)), axis=None)
+
+    step = kd.function(step) if compiled_whole else step
+    total = step(w.value)
+    np.testing.assert_array_equal(np.asarray(total), [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(w.value), [2.0, 2.0, 2.0])
+
+
+def test_a_function_helper_called_inside_a_replica_runs_inline():
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    @kd.function
+    def helper(x):
+        return x * 2.0
+
+    result = strategy.run(lambda: helper(np.ones((2, 2), "float32")).sum())
+    assert float(strategy.reduce("SUM", result, axis=None)) == 16.0
+
+
+def test_a_function_method_does_not_keep_its_instance_alive():
+    import gc
+    import weakref
+
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    class Trainer:
+        def __init__(self):
+            with strategy.scope():
+                self.w = keras.Variable(1.0, aggregation="mean")
+
+        @kd.function
+        def step(self):
+            strategy.run(lambda: self.w.assign_add(1.0))
+            return self.w.value
+
+    trainer = Trainer()
+    assert float(trainer.step()) == 2.0
+    assert trainer.step.experimental_get_tracing_count() == 1
+    alive = weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    assert alive() is None

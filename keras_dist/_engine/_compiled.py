@@ -34,6 +34,7 @@ from keras_dist._engine._compiled_replica import CompiledReplica
 from keras_dist._engine._compiled_replica import is_input_leaf
 from keras_dist._engine._compiled_replica import local_part as _local_part
 from keras_dist._engine._function_key import FunctionKey
+from keras_dist._engine._function_key import static_key
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._engine._retracing import retrace_cause
 from keras_dist._keras import KerasVariable
@@ -62,12 +63,6 @@ class ReplicatedOutput:
 
     def __init__(self, value):
         self.value = value
-
-
-def _static_key(leaf):
-    if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
-        return (type(leaf), leaf)
-    return (type(leaf), id(leaf))
 
 
 class TraceRecord:
@@ -109,7 +104,7 @@ class _Entry:
         foreign_variables = self._variables(self._foreign)
         mirrored = [extended.compute_value(v) for v in mirrored_variables]
         sync_on_read = [v.stored() for v in sync_on_read_variables]
-        copy_shared_buffers(mirrored, sync_on_read)
+        copy_shared_buffers(mirrored, sync_on_read, dynamic)  # an argument may alias state
         foreign = [extended.placement.replicate(v.value) for v in foreign_variables]
         new_mirrored, new_sync_on_read, outputs, sums, replicated = extended.placement.execute(
             self.compiled, mirrored, sync_on_read, foreign, dynamic
@@ -195,7 +190,7 @@ class CompiledEngine:
                 array, kind = extended.placement.replicate(leaf), "m"
             else:
                 kinds.append(None)
-                statics.append((index, _static_key(leaf)))
+                statics.append((index, static_key(leaf)))
                 continue
             kinds.append(kind)
             dynamic.append(array)

@@ -17,7 +17,6 @@ shapes (a partial last batch) run the Python function as it is: every
 import collections
 import contextlib
 import functools
-import types
 import weakref
 
 import jax
@@ -28,6 +27,7 @@ from keras_dist import _config
 from keras_dist import _context
 from keras_dist._engine._compiled import copy_shared_buffers
 from keras_dist._engine._function_key import FunctionKey
+from keras_dist._engine._function_key import static_key
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
@@ -64,7 +64,7 @@ class _Program:
     def __call__(self, dynamic):
         state = [r() for r in self._state]
         values = [_state_value(v, self.extendeds) for v in state]
-        copy_shared_buffers(values)
+        copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
         serialize = any(e.placement is not None and e.placement.serializes for e in self.extendeds)
         new_state, outputs = GATE.call(serialize, self.compiled, values, dynamic)
         for variable, value in zip(state, new_state):
@@ -74,6 +74,21 @@ class _Program:
 
 def _traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+class _BoundFunction:
+    """A ``kd.function`` method of one instance (made at each attribute access)."""
+
+    def __init__(self, function, instance):
+        self._function = function
+        self._instance = instance
+
+    def __call__(self, *args, **kwargs):
+        return self._function(self._instance, *args, **kwargs)
+
+    def experimental_get_tracing_count(self) -> int:
+        """How many programs this method has built for this instance."""
+        return self._function.experimental_get_tracing_count()
 
 
 def _state_value(variable, extendeds):
@@ -167,19 +182,23 @@ class Function:
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
-        bound = self._bound.get(instance)
-        if bound is None:
-            bound = Function(types.MethodType(self.python_function, instance), **self._options)
-            self._bound[instance] = bound
-        return bound
+        function = self._bound.get(instance)
+        if function is None:
+            # Programs per instance, none of which holds the instance: it is an
+            # argument of the program (a static one, referenced weakly).
+            function = Function(self.python_function, **self._options)
+            self._bound[instance] = function
+        return _BoundFunction(function, instance)
 
     def experimental_get_tracing_count(self) -> int:
         """How many programs this function has built (one per input signature)."""
         return self._tracing_count
 
     def __call__(self, *args, **kwargs):
-        if _context.current_function_trace() is not None or _config.functions_run_eagerly():
-            return self.python_function(*args, **kwargs)  # inside another trace: inline
+        inside = _context.current_function_trace() is not None
+        inside = inside or _context.current_frame().engine is not None  # in a replica's run
+        if inside or _config.functions_run_eagerly():
+            return self.python_function(*args, **kwargs)  # already traced: inline
         # A distributed iterator (TF's `train_step(iterator)` with `next(iterator)`
         # inside): its next element is read here and becomes an input of the program.
         args, kwargs = _with_next_elements((args, kwargs))
@@ -192,7 +211,7 @@ class Function:
                 return self.python_function(*args, **kwargs)
             kinds.append(kind)
             if kind is None:
-                statics.append((index, _static_key(leaf)))
+                statics.append((index, static_key(leaf)))
                 continue
             dynamic.append(array)
             signature.append((kind, array.shape, array.dtype, getattr(array, "weak_type", False)))
@@ -221,10 +240,10 @@ class Function:
         state = [v for v in (r() for r in self._state) if v is not None]
         for _ in range(_MAX_TRACES):
             trace = FunctionTrace(state)
-            jitted = jax.jit(
-                self._traceable(trace, state, treedef, leaves, kinds), donate_argnums=0
-            )
-            traced = jitted.trace([_state_value(v, trace.extendeds) for v in state], dynamic)
+            values = [_state_value(v, trace.extendeds) for v in state]
+            shardings = [getattr(x, "sharding", None) for x in values]
+            traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)
+            traced = jax.jit(traceable, donate_argnums=0).trace(values, dynamic)
             again = trace.created_variables
             if pending_variables():
                 # Created in the trace (optimizer slots): they take their first
@@ -260,7 +279,7 @@ class Function:
             _versions(trace.extendeds),
         )
 
-    def _traceable(self, trace, state, treedef, leaves, kinds):
+    def _traceable(self, trace, state, shardings, treedef, leaves, kinds):
         def program(state_values, dynamic_values):
             mapping = {id(v): x for v, x in zip(state, state_values)}
             dynamic_iter = iter(dynamic_values)
@@ -282,16 +301,18 @@ class Function:
             arrays, self._out_record = _flatten_outputs(outputs)
             # New values keep their variables' shardings: no resharding next step.
             new_state = [
-                _keep_sharding(scope.state_mapping[id(v)], x) for v, x in zip(state, state_values)
+                _keep_sharding(scope.state_mapping[id(v)], sharding)
+                for v, sharding in zip(state, shardings)
             ]
             return new_state, arrays
 
         return program
 
 
-def _keep_sharding(new, old):
-    sharding = getattr(old, "sharding", None)
-    if sharding is None or getattr(new, "shape", None) != old.shape:
+def _keep_sharding(new, sharding):
+    """A variable's new value with the sharding its old value had (a SyncOnRead variable
+    written outside the replicas would otherwise come out replicated)."""
+    if sharding is None:
         return new
     return jax.lax.with_sharding_constraint(new, sharding)
 
@@ -349,12 +370,6 @@ def _classify(leaf):
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return "a", leaf
     return None, None
-
-
-def _static_key(leaf):
-    if leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)):
-        return (type(leaf), leaf)
-    return (type(leaf), id(leaf))
 
 
 def function(func=None, *, input_signature=None, jit_compile=None, reduce_retracing=False, **kw):

@@ -19,6 +19,7 @@ signature. Two things matter for that key:
 True
 """
 
+import math
 import types
 import weakref
 
@@ -40,13 +41,13 @@ class FunctionKey:
 
     def __init__(self, fn):
         if isinstance(fn, types.MethodType):
-            parts = (_Identity(fn.__func__), _Identity(fn.__self__))
+            parts = (_identity(fn.__func__), _identity(fn.__self__))
             self.code = getattr(fn.__func__, "__code__", fn.__func__)
         elif isinstance(fn, types.FunctionType):
             parts = _function_parts(fn)
             self.code = fn.__code__
         else:
-            parts = (_Identity(fn),)
+            parts = (_identity(fn),)
             self.code = type(fn)
         self._parts = parts
         self._hash = hash(parts)
@@ -76,7 +77,7 @@ def _function_parts(fn) -> tuple:
     for value in captured:
         part = _part(value)
         if part is _UNRECOGNISABLE:
-            return (_Identity(fn),)  # not comparable: the function object itself
+            return (_identity(fn),)  # not comparable: the function object itself
         parts.append(part)
     return tuple(parts)
 
@@ -99,6 +100,26 @@ def _part(value):
     except TypeError:
         return _UNRECOGNISABLE
     return _Value(value)
+
+
+def static_key(value):
+    """A Python argument in a cache key: by value when hashable, else by (weak) identity.
+
+    An object is compared by identity and held weakly where it can be, so a new
+    object that reuses a freed object's address never matches its entry.
+
+    >>> static_key(3) == static_key(3), static_key(0.0) == static_key(-0.0)
+    (True, False)
+    """
+    part = _part(value)
+    return part if part is not _UNRECOGNISABLE else _Identity(value, weak=False)
+
+
+def _identity(value):
+    try:
+        return _Identity(value)
+    except TypeError:  # e.g. an instance with __slots__: held strongly instead
+        return _Identity(value, weak=False)
 
 
 class _Identity:
@@ -141,4 +162,12 @@ class _Value:
             isinstance(other, _Value)
             and type(self._value) is type(other._value)
             and self._value == other._value
+            and _same_sign(self._value, other._value)
         )
+
+
+def _same_sign(a, b) -> bool:
+    """0.0 and -0.0 are equal but not the same argument (``1 / x`` differs)."""
+    if isinstance(a, float):
+        return math.copysign(1.0, a) == math.copysign(1.0, b)
+    return True

@@ -69,11 +69,12 @@ class FunctionScope(RecordingScope):
 
     def add_update(self, update):
         variable, value = update
-        stacked = self.state_mapping.get(id(variable))
-        if stacked is None:
+        current = self.state_mapping.get(id(variable))
+        if current is None:
             self.trace.need([variable])  # not threaded yet: the next trace will
-        elif isinstance(variable, SyncOnReadVariable) and running_replica_context() is None:
-            n = stacked.shape[0]
+        if isinstance(variable, SyncOnReadVariable) and running_replica_context() is None:
+            # Written outside the replicas: spread over the components, as TF does.
+            n = (current if current is not None else variable.stored()).shape[0]
             value = jnp.asarray(value, variable.dtype)
             if variable.aggregation == "sum":
                 value = value / n
