@@ -251,3 +251,25 @@ def test_a_function_method_does_not_keep_its_instance_alive():
     del trainer
     gc.collect()
     assert alive() is None
+
+
+def test_cross_replica_extended_calls_inside_a_function():
+    strategy = kd.MirroredStrategy(cpus(4))
+    x = np.arange(8, dtype="float32").reshape(4, 2)
+    (batch,) = list(strategy.experimental_distribute_dataset([x]))
+
+    @kd.function
+    def step(data):
+        doubled = strategy.run(lambda v: v * 2.0, args=(data,))
+        summed = strategy.extended.reduce_to("SUM", doubled, destinations=None)
+        mean = strategy.extended.batch_reduce_to("MEAN", [(doubled, None)])[0]
+        three = strategy.extended.broadcast_to(np.float32(3.0), None)
+        plus = strategy.reduce("SUM", strategy.run(lambda a: a + 1.0, args=(three,)), None)
+        return summed, mean, plus
+
+    summed, mean, plus = step(batch)
+    assert [np.asarray(c).tolist() for c in strategy.experimental_local_results(summed)] == [
+        [[24.0, 32.0]]
+    ] * 4
+    np.testing.assert_allclose(strategy.experimental_local_results(mean)[0], [[6.0, 8.0]])
+    assert float(plus) == 16.0

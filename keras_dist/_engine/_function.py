@@ -115,7 +115,7 @@ def _versions(extendeds) -> tuple:
     return tuple(e.variable_state().version for e in extendeds)
 
 
-_PER_REPLICA, _ARRAY = object(), object()
+_PER_REPLICA, _MIRRORED, _ARRAY = object(), object(), object()
 
 
 def _flatten_outputs(outputs):
@@ -127,6 +127,9 @@ def _flatten_outputs(outputs):
         if isinstance(leaf, PerReplica) and _traced(leaf.stacked):
             arrays.append((leaf.stacked, leaf.replica_sum))
             layout.append(_PER_REPLICA)
+        elif isinstance(leaf, Mirrored) and _traced(leaf.replicated):
+            arrays.append(leaf.replicated)
+            layout.append(_MIRRORED)
         elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or _traced(leaf):
             arrays.append(jnp.asarray(leaf))
             layout.append(_ARRAY)
@@ -144,6 +147,8 @@ def _rebuild(treedef, layout, arrays):
             value = PerReplica(None, _stacked=stacked, _validate=False)
             value.replica_sum = total
             leaves.append(value)
+        elif slot is _MIRRORED:
+            leaves.append(Mirrored(None, _replicated=next(arrays), _validate=False))
         elif slot is _ARRAY:
             leaves.append(next(arrays))
         else:
@@ -152,7 +157,7 @@ def _rebuild(treedef, layout, arrays):
 
 
 def _is_output_leaf(x):
-    return x is None or isinstance(x, (PerReplica, KerasVariable))
+    return x is None or isinstance(x, (DistributedValues, KerasVariable))
 
 
 def _is_argument_leaf(x):

@@ -197,6 +197,12 @@ class MeshExtended(StrategyExtended):
                 distributed.append(i)
             else:
                 results[i] = self.reduce_non_distributed(reduce_op, value)
+        in_program = [i for i in distributed if _stacked_in_program(values[i])]
+        for i in in_program:
+            # Inside a kd.function: a global reduction joins the function's program.
+            reduced = _mesh_reductions.reduce_stacked_in_program(reduce_op, values[i], None)
+            results[i] = Mirrored(None, _replicated=reduced)
+        distributed = [i for i in distributed if i not in in_program]
         if distributed:
             stacked = [self._placement.as_stacked(values[i]) for i in distributed]
             reduced = self._cross_device_ops.reduce_components(self._placement, reduce_op, stacked)
@@ -227,6 +233,9 @@ class MeshExtended(StrategyExtended):
         require_cross_replica("broadcast_to")
         if isinstance(tensor, DistributedValues):
             tensor = self.unwrap_mirrored(tensor)
+        if _context.current_function_trace() is not None:
+            # Inside a kd.function the program places it; every replica reads it whole.
+            return Mirrored(None, _replicated=jnp.asarray(tensor))
         return self._place(self._placement.replicate(jnp.asarray(tensor)), destinations)
 
     def update(self, var, fn, args=(), kwargs=None, group=True):
@@ -287,7 +296,7 @@ class MeshExtended(StrategyExtended):
     def reduce_value(self, reduce_op, value, axis):
         if isinstance(value, DistributedValues) and value.traced is not None:
             return value.traced.engine.reduce_with_axis(reduce_op, value, axis)
-        if isinstance(value, PerReplica) and isinstance(value.stacked, jax.core.Tracer):
+        if _stacked_in_program(value):
             # Inside a kd.function: a global reduction of the program's stacked result.
             return _mesh_reductions.reduce_stacked_in_program(reduce_op, value, axis)
         if axis is None:
@@ -331,6 +340,11 @@ class MeshExtended(StrategyExtended):
 
 def _is_dv(x):
     return isinstance(x, DistributedValues)
+
+
+def _stacked_in_program(value) -> bool:
+    """A per-replica value held as a traced stacked array: inside a ``kd.function``."""
+    return isinstance(value, PerReplica) and isinstance(value.stacked, jax.core.Tracer)
 
 
 def _is_integer(value) -> bool:
