@@ -36,7 +36,6 @@ from keras_dist._engine._compiled_replica import local_part as _local_part
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._retracing import RetraceMonitor
-from keras_dist._engine._retracing import retrace_cause
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import initialize_pending_variables
@@ -175,7 +174,6 @@ class CompiledEngine:
         self._foreign: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.trace_count = 0  # how many times a replica function was traced
         self._retraces = RetraceMonitor()
-        self._last_traced: dict = {}  # code -> (key, statics, signature) of its last trace
 
     def run(self, fn, args, kwargs):
         extended = self._extended
@@ -203,15 +201,12 @@ class CompiledEngine:
             self._cache.move_to_end(key)
             try:
                 result = entry(dynamic)
-                self._retraces.record(function_key.code, traced=False)
+                self._retraces.hit(function_key.code)
                 return result
             except _StaleEntry:
                 del self._cache[key]
         self._drop_dead_entries()
-        traced = (function_key, tuple(statics), tuple(signature))
-        cause = retrace_cause(self._last_traced.get(function_key.code), traced)
-        self._last_traced[function_key.code] = traced
-        self._retraces.record(function_key.code, traced=True, cause=cause)
+        self._retraces.traced(function_key.code, (function_key, tuple(statics), tuple(signature)))
         for _ in range(_MAX_TRACES_PER_SIGNATURE):
             entry = self._build(fn, treedef, leaves, kinds, dynamic)
             key = base_key + (extended.variable_state().version, len(self._foreign))

@@ -32,7 +32,6 @@ from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
 from keras_dist._engine._retracing import RetraceMonitor
-from keras_dist._engine._retracing import retrace_cause
 from keras_dist._input import DistributedIterator
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import initialize_pending_variables
@@ -180,7 +179,6 @@ class Function:
         self._state: list = []  # weak references to the variables found so far
         self._tracing_count = 0
         self._retraces = RetraceMonitor()
-        self._last_traced: dict = {}
         self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._code = FunctionKey(python_function).code
 
@@ -225,11 +223,9 @@ class Function:
         code = self._code
         if program is not None and program.current():
             self._programs.move_to_end(key)
-            self._retraces.record(code, traced=False)
+            self._retraces.hit(code)
             return self._locked(program, dynamic)
-        cause = retrace_cause(self._last_traced.get(code), (None, key[1], key[2]))
-        self._last_traced[code] = (None, key[1], key[2])
-        self._retraces.record(code, traced=True, cause=cause)
+        self._retraces.traced(code, (None, key[1], key[2]))
         program = self._build(treedef, leaves, kinds, dynamic)
         self._programs[key] = program
         return self._locked(program, dynamic)

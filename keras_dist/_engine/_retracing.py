@@ -29,13 +29,28 @@ class RetraceMonitor:
 
     def __init__(self):
         self._history: dict = {}
+        self._last_traced: dict = {}  # code -> the (key, statics, signature) last traced
         self._warned: set = set()
+
+    def hit(self, code) -> None:
+        """A call that found its program (cheap: it runs on every step)."""
+        history = self._history.get(code)
+        if history is not None:
+            history.append(False)
+
+    def traced(self, code, traced_key) -> None:
+        """A call that traced; ``traced_key`` is ``(function key, statics, signature)``."""
+        cause = retrace_cause(self._last_traced.get(code), traced_key)
+        self._last_traced[code] = traced_key
+        self.record(code, traced=True, cause=cause)
 
     def record(self, code, traced: bool, cause: str = "") -> None:
         history = self._history.setdefault(code, collections.deque(maxlen=_HISTORY))
         history.append(traced)
+        if not traced or code in self._warned:
+            return
         traces = sum(history)
-        if traced and traces >= _THRESHOLD and code not in self._warned:
+        if traces >= _THRESHOLD:
             self._warned.add(code)
             name = getattr(code, "co_qualname", getattr(code, "__qualname__", code))
             warnings.warn(
@@ -46,7 +61,7 @@ class RetraceMonitor:
                 "`@kd.function`), pass arrays rather than Python values for what changes "
                 "between calls, and keep shapes fixed (a partial last batch traces once more).",
                 RetracingWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
 
 

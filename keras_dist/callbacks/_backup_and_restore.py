@@ -22,6 +22,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_dist import _context
 from keras_dist._keras import set_initial_epoch
 from keras_dist._training import model_strategy
 from keras_dist.callbacks import _preemption
@@ -257,10 +258,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         set_initial_epoch(model, None)
         if self.delete_checkpoint:
             # Nobody may still be reading the backup when the chief deletes it.
-            _barrier(model, "keras_dist.BackupAndRestore.delete")
+            _extended_of(model).barrier("keras_dist.BackupAndRestore.delete")
             if self._process_role.is_chief:
                 _training_state.delete(self._chief_dir)
-            _barrier(model, "keras_dist.BackupAndRestore.deleted")
+            _extended_of(model).barrier("keras_dist.BackupAndRestore.deleted")
         self._process_role.remove_temp_dirpath(self.backup_dir)
         if self._watcher is not None:
             watcher, self._watcher = self._watcher, None
@@ -294,11 +295,7 @@ def _check_same_resume_point(model, restored):
         )
 
 
-def _barrier(model, name):
-    if jax.process_count() == 1:
-        return
-    extended = _multi_process_extended(model)
-    if extended is None:
-        multihost_utils.sync_global_devices(name)
-    else:
-        extended.placement.cross_process_sum(np.zeros((), np.int32))
+def _extended_of(model):
+    """The extended API of the model's strategy, or of the current one."""
+    strategy = model_strategy(model)
+    return (strategy if strategy is not None else _context.get_strategy()).extended

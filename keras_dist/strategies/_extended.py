@@ -37,6 +37,9 @@ import contextlib
 import threading
 from typing import Any
 
+import jax
+from jax.experimental import multihost_utils
+
 from keras_dist import _context
 from keras_dist._input import InputContext
 from keras_dist._replica_context import running_replica_context
@@ -221,6 +224,15 @@ class StrategyExtended(abc.ABC):
     def agree_on_host_random_state(self) -> None:
         """Gives every process worker 0's NumPy random state (several processes only)."""
         return None
+
+    def barrier(self, name: str) -> None:
+        """Returns once every process of the job got here (nothing to wait for in one).
+
+        Without a strategy across processes (``jax.distributed`` started by hand),
+        JAX's own barrier.
+        """
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(name)
 
     # --------------------------------------------- reductions and broadcasts
     @abc.abstractmethod

@@ -145,6 +145,12 @@ class MeshExtended(StrategyExtended):
     def agree_on_host_random_state(self) -> None:
         self._placement.agree_on_host_random_state(self.worker_index)
 
+    def barrier(self, name: str) -> None:
+        if not self.spans_processes:
+            return super().barrier(name)
+        # One small collective through the strategy: a lost peer is reported by name.
+        self._placement.cross_process_sum(np.zeros((), np.int32))
+
     # ------------------------------------------------------------ execution
     def call_for_each_replica(self, fn, args=(), kwargs=None, *, eagerly=False):
         if not callable(fn):

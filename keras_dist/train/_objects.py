@@ -18,7 +18,6 @@ follows TF's rules: a ``sum`` variable saved as 7 on two replicas restores as
 import jax
 import keras
 import numpy as np
-from jax.experimental import multihost_utils
 
 from keras_dist import _context
 from keras_dist._training import model_strategy
@@ -110,17 +109,8 @@ def process_role(variables) -> ProcessRole:
 
 
 def wait_for_every_process(variables) -> None:
-    """Returns once every process got here (after the chief wrote, everyone can read).
-
-    One small collective through the strategy, so a lost peer is reported by name.
-    """
-    if jax.process_count() == 1:
-        return
-    extended = strategy_of(variables).extended
-    if extended.spans_processes:
-        extended.placement.cross_process_sum(np.zeros((), np.int32))
-    else:  # jax.distributed started by hand, without a strategy across processes
-        multihost_utils.sync_global_devices("keras_dist.train.checkpoint_written")
+    """Returns once every process got here (after the chief wrote, everyone can read)."""
+    strategy_of(variables).extended.barrier("keras_dist.train.checkpoint_written")
 
 
 def build_optimizer(optimizer, model) -> None:
