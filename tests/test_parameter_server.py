@@ -6,6 +6,7 @@ workers over gRPC. Expected values are TF's.
 """
 
 import logging
+import threading
 
 import keras
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist import errors
+from keras_dist._ps._worker_service import WorkerService
 from keras_dist.coordinator import ClusterCoordinator
 from keras_dist.experimental import partitioners
 
@@ -23,6 +25,11 @@ pytestmark = pytest.mark.timeout(120)
 def five_workers():
     """TF's coordinator tests: 5 workers and 2 ps."""
     return kd.testing.create_in_process_cluster(num_workers=5, num_ps=2)
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    return kd.testing.create_in_process_cluster(num_workers=2, num_ps=1)
 
 
 @pytest.fixture(scope="module")
@@ -419,6 +426,85 @@ def test_queued_closures_are_cancelled_after_an_error():
     with pytest.raises(errors.InvalidArgumentError):
         queue.wait()
     queue.wait()
+
+
+def test_closures_in_flight_are_cancelled_after_an_error():
+    from keras_dist.coordinator._closure_queue import Closure
+    from keras_dist.coordinator._closure_queue import ClosureQueue
+
+    queue = ClosureQueue()
+    failing, running, later = (Closure(None, kd.coordinator.RemoteValue()) for _ in range(3))
+    queue.put(failing)
+    queue.put(running)
+    assert queue.get(timeout=1) is failing
+    assert queue.get(timeout=1) is running
+    queue.mark_failed(failing, errors.InvalidArgumentError("bad input"))
+    assert not running.remote_value.done  # it runs on; its end decides nothing
+    queue.mark_finished(running, 42)
+    with pytest.raises(errors.InvalidArgumentError, match="bad input"):
+        failing.remote_value.fetch()
+    with pytest.raises(errors.CancelledError, match="Received: an earlier .*bad input"):
+        running.remote_value.fetch()
+    with pytest.raises(errors.InvalidArgumentError, match="bad input"):
+        queue.wait()
+    queue.wait()  # raised once, then cleared
+    assert queue.done()
+
+    # A doomed closure that fails too is cancelled, and its error is not raised again.
+    queue.put(failing)
+    queue.put(running)
+    queue.get(timeout=1), queue.get(timeout=1)
+    queue.mark_failed(failing, errors.InvalidArgumentError("first"))
+    with pytest.raises(errors.InvalidArgumentError, match="first"):
+        queue.done()  # as schedule() does: the error is cleared while `running` runs
+    queue.mark_failed(running, errors.OutOfRangeError("second"))
+    with pytest.raises(errors.CancelledError, match="first"):
+        running.remote_value.fetch()
+    queue.wait()
+    queue.put(later)
+    assert queue.get(timeout=1) is later
+    queue.mark_finished(later, 7)
+    assert later.remote_value.fetch() == 7
+
+
+def test_closure_in_flight_on_another_worker_is_cancelled_by_an_error(two_workers, monkeypatch):
+    # The first run to reach a worker is held there until released, so that it
+    # is in flight while the other worker fails (workers are threads here).
+    started, release = threading.Event(), threading.Event()
+    run = WorkerService._run
+
+    def held_run(self, header, arrays):
+        if not started.is_set():
+            started.set()
+            release.wait(60)
+        return run(self, header, arrays)
+
+    monkeypatch.setattr(WorkerService, "_run", held_run)
+    coordinator = ClusterCoordinator(kd.ParameterServerStrategy(two_workers))
+    try:
+        slow = coordinator.schedule(lambda x: x * 2, args=(np.int32(21),))
+        assert started.wait(30)
+        # Only the other worker is free: it reads a batch of 4, then one of 3
+        # that the program (traced for 4) refuses.
+        ragged = coordinator.create_per_worker_dataset(
+            lambda: [np.arange(4.0, dtype="float32"), np.arange(3.0, dtype="float32")]
+        )
+        iterator = iter(ragged)
+        first = coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,))
+        assert float(first.fetch()) == 6.0
+        failing = coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,))
+        with pytest.raises(errors.InvalidArgumentError, match="differ from those it was traced"):
+            failing.fetch()
+        assert not slow.done
+    finally:
+        release.set()
+    with pytest.raises(errors.InvalidArgumentError, match="differ from those it was traced"):
+        coordinator.join()
+    with pytest.raises(errors.CancelledError, match="Please reschedule the function"):
+        slow.fetch()
+    coordinator.join()  # cleared
+    assert coordinator.schedule(lambda x: x * 2, args=(np.int32(21),)).fetch() == 42
+    coordinator.stop()
 
 
 class _FailsOnWorker:

@@ -142,6 +142,36 @@ def test_steps_after_a_worker_restart_all_count(cluster):
         assert int(model.optimizer.iterations.numpy()) == 4
 
 
+def _worker_index():
+    return kd.coordinator.experimental_get_current_worker_index()
+
+
+def test_fetched_values_outlive_a_worker_failure(cluster):
+    # TF's testNumpyFetchedAfterWorkerFailure: a fetched result is kept here.
+    with _logs_on_failure(cluster):
+        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
+        coordinator = ClusterCoordinator(strategy)
+        with strategy.scope():
+            v = keras.Variable(0, dtype="int32")
+        remote = coordinator.schedule(lambda: (v + 1, v - 1))
+        fetched = remote.fetch()
+        assert fetched == (1, -1)
+        assert all(isinstance(x, (np.ndarray, np.generic)) for x in fetched)
+        assert [x.dtype for x in fetched] == [np.int32, np.int32]
+        cluster.kill_task("worker", 0)
+        assert remote.fetch() == (1, -1)
+
+        # Leave the shared cluster whole: worker 0 back and running closures.
+        cluster.start_task("worker", 0)
+        seen = set()
+        deadline = time.monotonic() + 60
+        while seen != {0, 1} and time.monotonic() < deadline:
+            values = [coordinator.schedule(_worker_index) for _ in range(4)]
+            seen.update(int(value.fetch()) for value in values)
+        assert seen == {0, 1}
+        assert remote.fetch() == (1, -1)
+
+
 def test_lost_ps_task_raises_unavailable(cluster):
     with _logs_on_failure(cluster):
         strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)

@@ -61,4 +61,3 @@ def warn_if_int64_narrowed(dtype) -> None:
         UserWarning,
         stacklevel=3,
     )
-

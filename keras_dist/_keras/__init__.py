@@ -19,7 +19,11 @@ from keras_dist._keras._model import overrides_keras_step as overrides_keras_ste
 from keras_dist._keras._model import set_initial_epoch as set_initial_epoch
 from keras_dist._keras._model import step_state as step_state
 from keras_dist._keras._model import unpack_x_y_sample_weight as unpack_x_y_sample_weight
+from keras_dist._keras._optimizer import apply_update as apply_update
+from keras_dist._keras._optimizer import clip_gradients as clip_gradients
 from keras_dist._keras._optimizer import install_optimizer_hook
+from keras_dist._keras._optimizer import routing_gradients as routing_gradients
+from keras_dist._keras._optimizer import slot_reference as slot_reference
 from keras_dist._keras._saving import install_saving_hook
 from keras_dist._keras._scopes import RecordingScope as RecordingScope
 from keras_dist._keras._scopes import adopt_pending_variables as adopt_pending_variables

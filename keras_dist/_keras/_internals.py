@@ -21,6 +21,7 @@ from keras.src.backend.common import stateless_scope
 from keras.src.backend.common import variables as common_variables
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.backend.jax import optimizer as jax_optimizer
 from keras.src.backend.jax import trainer as jax_trainer
 from keras.src.backend.jax.core import JaxVariable
 from keras.src.distribution import distribution_lib
@@ -40,6 +41,7 @@ JAXTrainer = jax_trainer.JAXTrainer
 JAXEpochIterator = jax_trainer.JAXEpochIterator
 Trainer = base_trainer.Trainer
 BaseOptimizer = base_optimizer.BaseOptimizer
+JaxOptimizer = jax_optimizer.JaxOptimizer
 LossScaleOptimizer = loss_scale_optimizer.LossScaleOptimizer
 BatchNormalization = batch_normalization.BatchNormalization
 Distribution = distribution_lib.Distribution
@@ -52,6 +54,7 @@ __all__ = [
     "Distribution",
     "JAXEpochIterator",
     "JAXTrainer",
+    "JaxOptimizer",
     "JaxVariable",
     "KerasVariable",
     "LossScaleOptimizer",
@@ -132,6 +135,15 @@ SYMBOLS = (
     Symbol(BaseOptimizer, "apply", ("self", "grads", "trainable_variables")),
     Symbol(BaseOptimizer, "stateless_apply", ("self", "optimizer_variables", "grads")),
     Symbol(BaseOptimizer, "scale_loss", ("self", "loss")),
+    # Updates applied on parameter servers: the update split from the clipping.
+    Symbol(JaxOptimizer, "_backend_apply_gradients", ("self", "grads", "trainable_variables")),
+    Symbol(BaseOptimizer, "_clip_gradients", ("self", "grads")),
+    Symbol(BaseOptimizer, "_apply_weight_decay", ("self", "variables")),
+    Symbol(
+        BaseOptimizer,
+        "_backend_update_step",
+        ("self", "grads", "trainable_variables", "learning_rate"),
+    ),
     Symbol(LossScaleOptimizer, "check_finite", ("self", "grads")),
     Symbol(
         LossScaleOptimizer,

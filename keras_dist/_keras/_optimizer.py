@@ -4,18 +4,37 @@
 replica-side implementation given to ``install_optimizer_hook`` (``merge_call``
 -> ``batch_reduce_to(SUM)`` -> the optimizer's own ``apply`` once). Keras's
 ``LossScaleOptimizer`` is made to decide on the summed gradients, as TF's does.
+
+Parameter servers apply updates where the variables live: ``routing_gradients``
+lets a trace take an optimizer's clipped gradients instead of updating here,
+and ``apply_update`` is the update itself, run later on the ps task. Slots are
+made beside their variable (``slot_reference`` says which one).
 """
 
+import contextlib
 import functools
+import threading
 
 from keras import ops
 
 from keras_dist._keras._internals import BaseOptimizer
+from keras_dist._keras._internals import JaxOptimizer
 from keras_dist._keras._internals import LossScaleOptimizer
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import running_replica_context
 
 _original_apply = BaseOptimizer.apply
+_original_backend_apply = JaxOptimizer._backend_apply_gradients
+_original_add_from_reference = BaseOptimizer.add_variable_from_reference
+
+
+class _Routing(threading.local):
+    def __init__(self):
+        self.handler = None  # takes an optimizer's gradients instead of updating here
+        self.reference = None  # the variable whose slot is being made
+
+
+_routing = _Routing()
 
 
 def install_optimizer_hook(apply_in_replica_context) -> None:
@@ -39,6 +58,58 @@ def install_optimizer_hook(apply_in_replica_context) -> None:
     apply._keras_dist_hook = True
     BaseOptimizer.apply = apply
     _install_loss_scale_hook()
+    _install_gradient_routing()
+
+
+def _install_gradient_routing() -> None:
+    @functools.wraps(_original_backend_apply)
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        handler = _routing.handler
+        if handler is not None and handler(self, list(grads), list(trainable_variables)):
+            return None
+        return _original_backend_apply(self, grads, trainable_variables)
+
+    @functools.wraps(_original_add_from_reference)
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        previous, _routing.reference = _routing.reference, reference_variable
+        try:
+            return _original_add_from_reference(self, reference_variable, *args, **kwargs)
+        finally:
+            _routing.reference = previous
+
+    JaxOptimizer._backend_apply_gradients = _backend_apply_gradients
+    BaseOptimizer.add_variable_from_reference = add_variable_from_reference
+
+
+@contextlib.contextmanager
+def routing_gradients(handler):
+    """Offers every optimizer update on this thread to ``handler`` first.
+
+    ``handler(optimizer, grads, variables)`` returns True when it took the
+    gradients: the optimizer then updates nothing here (its iteration counter
+    still counts the step). It returns False to let the update run as usual.
+    """
+    previous, _routing.handler = _routing.handler, handler
+    try:
+        yield
+    finally:
+        _routing.handler = previous
+
+
+def slot_reference():
+    """The variable an optimizer is making a slot for on this thread, or ``None``."""
+    return _routing.reference
+
+
+def clip_gradients(optimizer, grads) -> list:
+    """``grads`` clipped as ``optimizer`` clips them (``clipnorm``, ``global_clipnorm``...)."""
+    return optimizer._clip_gradients(grads)
+
+
+def apply_update(optimizer, grads, variables) -> None:
+    """``optimizer``'s update of ``variables`` from clipped ``grads`` (weight decay, step)."""
+    optimizer._apply_weight_decay(variables)
+    optimizer._backend_update_step(grads, variables, optimizer.learning_rate)
 
 
 def _install_loss_scale_hook() -> None:

@@ -10,9 +10,10 @@ pure program per input signature:
 and serialized with ``jax.export``. A worker deserializes it once, then each
 run is: read the variables it uses from the ps tasks, run it, send its writes
 back (one request per ps task each way). No user Python object is sent.
-Writes made only by ``assign_add``/``assign_sub`` are sent as deltas that the
-ps adds atomically (a counter bumped by N closures on N workers ends at N);
-others overwrite.
+An optimizer's update is applied on the ps tasks holding its variables
+(``_apply``): the program returns its gradients. Other writes made only by
+``assign_add``/``assign_sub`` are sent as deltas that the ps adds atomically
+(a counter bumped by N closures on N workers ends at N); others overwrite.
 
 A first trace (``jax.make_jaxpr``) finds which variables the function reads
 or writes, how often it calls ``next()`` on each iterator and its output
@@ -30,12 +31,16 @@ import numpy as np
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._keras import RecordingScope
+from keras_dist._keras import routing_gradients
+from keras_dist._ps._apply import GradientRouter
+from keras_dist._ps._apply import plan_updates
 from keras_dist._ps._per_worker import PerWorkerIterator
 from keras_dist._ps._per_worker import PerWorkerValues
 from keras_dist._ps._per_worker import TracedIterator
 from keras_dist._ps._remote_value import RemoteValue
 from keras_dist._ps._trace import ProgramTrace
 from keras_dist._ps._trace import tracing
+from keras_dist._ps._trace import used_inputs
 
 _program_ids = itertools.count()
 
@@ -43,7 +48,7 @@ _program_ids = itertools.count()
 class Program:
     """One traced signature of a scheduled function, ready to send to workers."""
 
-    def __init__(self, blob, variables, writes, out_tree, iterator_counts, n_results):
+    def __init__(self, blob, variables, writes, out_tree, iterator_counts, updates):
         self.program_id = f"program{next(_program_ids)}"
         self.blob = blob
         self._variables = [weakref.ref(v) for v in variables]
@@ -51,7 +56,9 @@ class Program:
         self.writes = writes  # [(index into variables, kind)]
         self.out_tree = out_tree
         self.iterator_counts = iterator_counts  # next() calls per iterator argument
-        self.n_results = n_results
+        self.n_results = out_tree.num_leaves
+        # [(ps task, update id, how many arrays the program returns for it)]
+        self.updates = [(u.task, u.update_id, len(u.variables) + len(u.sent)) for u in updates]
 
     def header(self) -> dict:
         """What a worker needs besides the serialized program."""
@@ -61,6 +68,7 @@ class Program:
             "variables": [loc.as_json() for loc in self.locations],
             "writes": [list(w) for w in self.writes],
             "n_results": self.n_results,
+            "updates": [list(u) for u in self.updates],
         }
 
     def results(self, flat):
@@ -157,7 +165,7 @@ class ProgramCache:
         counts = [1] * len(iterators)
         record: dict = {}
 
-        def build(used_variables, counts):
+        def build(used_variables, counts, route, plan=()):
             element_specs = []
             for (_, iterator), count in zip(iterators, counts):
                 elem_tree, specs = iterator.dataset.element_spec
@@ -183,8 +191,19 @@ class ProgramCache:
                 args, kwargs = jax.tree_util.tree_unflatten(treedef, values)
                 mapping = {id(v): x for v, x in zip(used_variables, flat)}
                 old = dict(mapping)
+                # Variables the program does not take stand as zeros: the first
+                # trace found nothing reads them, and Keras's steps list them all.
+                for v in variables:
+                    mapping.setdefault(id(v), jnp.zeros(v.shape, v.dtype))
                 trace = ProgramTrace(worker_index)
-                with RecordingScope(mapping) as scope, tracing(trace), strategy.scope():
+                router = GradientRouter(enabled=route)
+                router.start()
+                with (
+                    RecordingScope(mapping) as scope,
+                    tracing(trace),
+                    routing_gradients(router),
+                    strategy.scope(),
+                ):
                     out = fn(*args, **kwargs)
                 out_leaves, out_tree = jax.tree_util.tree_flatten(out)
                 writes, payloads = [], []
@@ -195,10 +214,13 @@ class ProgramCache:
                     kind = trace.kinds.get(id(v), "assign")
                     writes.append((n, kind))
                     payloads.append(new - old[id(v)] if kind == "add" else new)
+                for step_index, update in plan:
+                    payloads += update.worker_values(router.steps[step_index])
                 record.update(
                     out_tree=out_tree,
                     writes=writes,
                     counts=[t.taken for t in traced_iterators],
+                    steps=router.steps,
                 )
                 return [jnp.asarray(x) for x in out_leaves] + payloads
 
@@ -209,37 +231,41 @@ class ProgramCache:
             specs.append(jax.ShapeDtypeStruct((), jnp.int32))
             return pure, specs
 
-        # First trace: which variables are used, how many next() calls.
-        pure, specs = build(variables, counts)
+        # First trace: which variables are used, how many next() calls, which
+        # optimizer updates can run on the ps tasks.
+        pure, specs = build(variables, counts, route=True)
         closed = jax.make_jaxpr(pure)(*specs)
         if record["counts"] != counts:
             counts = record["counts"]
-            pure, specs = build(variables, counts)
+            pure, specs = build(variables, counts, route=True)
             closed = jax.make_jaxpr(pure)(*specs)
-        used_vars = _used_inputs(closed.jaxpr, len(variables))
-        written = {n for n, _ in record["writes"]}
-        keep = [v for n, v in enumerate(variables) if n in used_vars or n in written]
-        pure, specs = build(keep, counts)
+        plan = []
+        for step_index, step in enumerate(record["steps"]):
+            updates = plan_updates(step)
+            if updates is None:
+                # One update cannot run on the ps: every update runs here.
+                plan = []
+                pure, specs = build(variables, counts, route=False)
+                closed = jax.make_jaxpr(pure)(*specs)
+                break
+            plan += [(step_index, update) for update in updates]
+        used_vars = used_inputs(closed.jaxpr, len(variables))
+        needed = {n for n, _ in record["writes"]} | used_vars
+        sent = {id(v) for _, update in plan for v in update.sent}
+        keep = [v for n, v in enumerate(variables) if n in needed or id(v) in sent]
+        pure, specs = build(keep, counts, route=bool(plan), plan=plan)
         exported = jax.export.export(jax.jit(pure), platforms=_platforms())(*specs)
+        for _, update in plan:
+            strategy.extended.parameter_servers.load_update(update)
         self.traces += 1
-        n_results = len(exported.out_avals) - len(record["writes"])
         return Program(
             bytes(exported.serialize()),
             keep,
             record["writes"],
             record["out_tree"],
             counts,
-            n_results,
+            [update for _, update in plan],
         )
-
-
-def _used_inputs(jaxpr, count) -> set:
-    """Indices of the first ``count`` inputs of ``jaxpr`` that anything uses."""
-    used = set()
-    for eqn in jaxpr.eqns:
-        used.update(v for v in eqn.invars if not hasattr(v, "val"))
-    used.update(v for v in jaxpr.outvars if not hasattr(v, "val"))
-    return {n for n, v in enumerate(jaxpr.invars[:count]) if v in used}
 
 
 def _platforms() -> tuple:

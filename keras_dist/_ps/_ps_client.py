@@ -139,27 +139,37 @@ class ParameterServers:
                 header["keys"].append(shard.key)
         return self._gather(locations, self._each_task(requests))
 
-    def update(self, writes, read=()) -> list:
+    def update(self, writes, read=(), updates=()) -> list:
         """Applies ``writes`` (``(location, kind, value)``: kind ``assign``/``add``/``sub``).
 
-        One atomic request per ps task; the values of ``read`` (locations) come
-        back in the same requests.
+        ``updates`` are optimizer updates run on the ps tasks: ``(task, update
+        id, arrays)``, after the writes. One atomic request per ps task; the
+        values of ``read`` (locations) come back in the same requests.
         """
-        requests = {}
+        requests: dict = {}
+
+        def request(task):
+            return requests.setdefault(
+                task, ({"op": "update", "writes": [], "read": [], "updates": []}, [])
+            )
+
         for location, kind, value in writes:
             for shard, piece in zip(location.shards, location.split(np.asarray(value))):
-                header, arrays = requests.setdefault(
-                    shard.task, ({"op": "update", "writes": [], "read": []}, [])
-                )
+                header, arrays = request(shard.task)
                 header["writes"].append([shard.key, kind])
                 arrays.append(piece)
+        for task, update_id, values in updates:
+            header, arrays = request(task)
+            header["updates"].append([update_id, len(values)])
+            arrays.extend(values)
         for location in read:
             for shard in location.shards:
-                header, _ = requests.setdefault(
-                    shard.task, ({"op": "update", "writes": [], "read": []}, [])
-                )
-                header["read"].append(shard.key)
+                request(shard.task)[0]["read"].append(shard.key)
         return self._gather(read, self._each_task(requests))
+
+    def load_update(self, update) -> None:
+        """Sends an optimizer's ``UpdateProgram`` to the ps task that runs it."""
+        self.clients[update.task].call(update.header(), (), update.blob, timeout=self.timeout)
 
     @staticmethod
     def _gather(locations, replies) -> list:

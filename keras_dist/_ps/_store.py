@@ -4,9 +4,10 @@ Each ps task holds the variables placed on it as NumPy arrays. Every request
 is atomic: the writes of one ``update`` (one worker's step for this ps task)
 are applied under the store's lock, and the values it returns are read under
 the same lock, so N workers × K steps that each add to a counter leave it at
-exactly N·K and a reader never sees half a step. Additive writes (``add``,
-``sub``: ``assign_add``, optimizer steps, metric totals) compose across
-workers; ``assign`` is last-writer-wins, as on TF's parameter servers.
+exactly N·K and a reader never sees half a step. Optimizer updates run here
+too (``_apply.LoadedUpdate``), on the current values, one after the other.
+Additive writes (``add``, ``sub``: ``assign_add``, metric totals) compose
+across workers; ``assign`` is last-writer-wins, as on TF's parameter servers.
 
 >>> import numpy as np
 >>> store = VariableStore("/job:ps/replica:0/task:0")
@@ -23,6 +24,7 @@ import numpy as np
 
 from keras_dist import errors
 from keras_dist._ps import _wire
+from keras_dist._ps._apply import LoadedUpdate
 
 
 class VariableStore:
@@ -31,6 +33,7 @@ class VariableStore:
     def __init__(self, task_name: str):
         self.task_name = task_name
         self._values: dict = {}
+        self._updates: dict = {}  # update id -> LoadedUpdate
         self._lock = threading.Lock()
         self.version = 0  # bumped by every write; lets readers skip unchanged values
 
@@ -44,7 +47,12 @@ class VariableStore:
         if op == "read":
             return self._read(header["keys"])
         if op == "update":
-            return self._update(header["writes"], arrays, header.get("read", ()))
+            return self._update(header, arrays)
+        if op == "load_update":
+            update = LoadedUpdate(header, blob)
+            with self._lock:
+                self._updates.setdefault(header["update_id"], update)
+            return {}, [], b""
         if op == "delete":
             with self._lock:
                 for key in header["keys"]:
@@ -84,8 +92,15 @@ class VariableStore:
             values = [self._lookup(key) for key in keys]
             return _wire.encode({"version": self.version}, values)
 
-    def _update(self, writes, arrays, read):
+    def _update(self, header, arrays):
+        writes = header["writes"]
         with self._lock:
+            # Optimizer updates first: they read the iteration count before
+            # this step's increment, as Keras's ``apply`` does.
+            position = len(writes)
+            for update_id, count in header.get("updates", ()):
+                self._run_update(update_id, arrays[position : position + count])
+                position += count
             targets = [self._lookup(key) for key, _ in writes]
             for (key, kind), target, value in zip(writes, targets, arrays):
                 if value.shape != target.shape:
@@ -93,12 +108,26 @@ class VariableStore:
                         f"A write to {key!r} on {self.task_name} has the wrong shape. "
                         f"Received: shape {value.shape}, variable shape {target.shape}"
                     )
-                if kind == "add":
-                    np.add(target, value, out=target, casting="unsafe")
-                elif kind == "sub":
-                    np.subtract(target, value, out=target, casting="unsafe")
+                # New arrays, not in place: an optimizer update's results are
+                # read-only JAX arrays, and ``value`` is a view of the request.
+                if kind == "assign":
+                    self._values[key] = np.array(value, dtype=target.dtype)
                 else:
-                    target[...] = value
+                    combine = np.add if kind == "add" else np.subtract
+                    self._values[key] = combine(target, value).astype(target.dtype, copy=False)
             self.version += 1
-            values = [self._lookup(key) for key in read]
+            values = [self._lookup(key) for key in header.get("read", ())]
             return _wire.encode({"version": self.version}, values)
+
+    def _run_update(self, update_id, arrays) -> None:
+        update = self._updates.get(update_id)
+        if update is None:
+            raise errors.NotFoundError(
+                f"{self.task_name} has no optimizer update {update_id!r}: the task restarted "
+                "and lost it. Restart training from a checkpoint. "
+                f"Received: update_id={update_id!r}",
+                (self.task_name,),
+            )
+        held = [self._lookup(key) for key in update.held]
+        for key, value in update.run(held, arrays):
+            self._values[key] = value

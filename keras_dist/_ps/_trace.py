@@ -67,3 +67,12 @@ def current_worker_index():
     if _state.trace is not None:
         return _state.trace.worker_index
     return _state.worker_index
+
+
+def used_inputs(jaxpr, count: int) -> set:
+    """Indices of the first ``count`` inputs of ``jaxpr`` that anything uses."""
+    used = set()
+    for eqn in jaxpr.eqns:
+        used.update(v for v in eqn.invars if not hasattr(v, "val"))
+    used.update(v for v in jaxpr.outvars if not hasattr(v, "val"))
+    return {n for n, v in enumerate(jaxpr.invars[:count]) if v in used}

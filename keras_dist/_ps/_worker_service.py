@@ -30,6 +30,22 @@ class _LoadedProgram:
         self.locations = [Location.from_json(x) for x in header["variables"]]
         self.writes = [(index, kind) for index, kind in header["writes"]]
         self.n_results = header["n_results"]
+        self.updates = [tuple(u) for u in header.get("updates", ())]
+
+    def split_outputs(self, outputs):
+        """``(results, writes, updates)`` from the program's outputs, for ``servers.update``."""
+        results = outputs[: self.n_results]
+        position = self.n_results + len(self.writes)
+        payloads = outputs[self.n_results : position]
+        writes = [
+            (self.locations[index], kind, payload)
+            for (index, kind), payload in zip(self.writes, payloads)
+        ]
+        updates = []
+        for task, update_id, count in self.updates:
+            updates.append((task, update_id, outputs[position : position + count]))
+            position += count
+        return results, writes, updates
 
 
 class WorkerService:
@@ -131,16 +147,12 @@ class WorkerService:
                 f"the remainder). Received: {error}",
                 (self.task_name,),
             ) from None
-        results, payloads = outputs[: program.n_results], outputs[program.n_results :]
-        if payloads:
-            writes = [
-                (program.locations[index], kind, payload)
-                for (index, kind), payload in zip(program.writes, payloads)
-            ]
+        results, writes, updates = program.split_outputs(outputs)
+        if writes or updates:
             # The same requests bring the values back (one round trip per ps
             # task): the next run of this epoch starts from them.
             read = program.locations if epoch is not None else ()
-            fresh = self.servers.update(writes, read=read)
+            fresh = self.servers.update(writes, read=read, updates=updates)
             with self._lock:
                 for location, value in zip(read, fresh):
                     self._cache[location] = (epoch, value)

@@ -3,8 +3,11 @@
 As TF's ``CoordinatedClosureQueue``: ``schedule`` puts, each worker's thread
 gets, and a closure whose worker was lost is put back at the front, to run on
 another worker (at least once). The first error of a closure is kept until
-``join`` (or the next ``schedule``) raises it; the closures still queued are
-then cancelled.
+``join`` (or the next ``schedule``) raises it; the closures still queued and
+those then running on other workers are cancelled, as TF's ``mark_failed``
+cancels both: their ``RemoteValue`` raises ``CancelledError``. A closure's
+result is set under the queue's lock, so that a closure finishing as the
+error comes cannot slip its value out.
 """
 
 import collections
@@ -12,7 +15,12 @@ import threading
 
 from keras_dist import errors
 
-_CANCELLED = "The corresponding function is cancelled. Please reschedule the function."
+
+def _cancelled(error: BaseException) -> errors.CancelledError:
+    return errors.CancelledError(
+        "The corresponding function is cancelled. Please reschedule the function. "
+        f"Received: an earlier function's {type(error).__name__}: {error}"
+    )
 
 
 class Closure:
@@ -28,11 +36,11 @@ class ClosureQueue:
 
     def __init__(self):
         self._queue: collections.deque = collections.deque()
-        self._inflight = 0
-        self._running: set = set()  # ids of the closures in flight
-        # Closures in flight when an error came: their own failures are the
-        # same failure and are not raised again after it was cleared.
-        self._doomed: set = set()
+        self._running: set = set()  # the closures in flight
+        # Closures in flight when an error came -> the CancelledError they end
+        # with: they run on, but their result (or their own failure, the same
+        # failure) is not given out nor raised again.
+        self._doomed: dict = {}
         self._error = None
         self._condition = threading.Condition()
         self.stopped = False
@@ -50,39 +58,46 @@ class ClosureQueue:
                 return None
             if self.stopped:
                 return None
-            self._inflight += 1
             closure = self._queue.popleft()
-            self._running.add(id(closure))
+            self._running.add(closure)
             return closure
 
     def put_back(self, closure: Closure) -> None:
         """Returns a closure whose worker was lost to the front of the queue."""
         with self._condition:
-            self._done_with(closure)
-            if self._error is not None:
-                closure.remote_value.set_error(errors.CancelledError(_CANCELLED))
+            cancelled = self._done_with(closure)
+            if cancelled is None and self._error is not None:
+                cancelled = _cancelled(self._error)
+            if cancelled is not None:
+                closure.remote_value.set_error(cancelled)
             else:
                 self._queue.appendleft(closure)
             self._condition.notify_all()
 
-    def _done_with(self, closure) -> bool:
-        """Counts ``closure`` out of flight; whether an earlier error doomed it."""
-        self._inflight -= 1
-        self._running.discard(id(closure))
-        doomed = id(closure) in self._doomed
-        self._doomed.discard(id(closure))
-        return doomed
+    def _done_with(self, closure) -> "errors.CancelledError | None":
+        """Counts ``closure`` out of flight; the cancellation an earlier error gave it."""
+        self._running.discard(closure)
+        return self._doomed.pop(closure, None)
 
-    def mark_finished(self, closure) -> None:
+    def mark_finished(self, closure, value) -> None:
+        """A closure returned ``value``: its ``RemoteValue`` gets it, unless it was cancelled."""
         with self._condition:
-            self._done_with(closure)
+            cancelled = self._done_with(closure)
+            if cancelled is None:
+                closure.remote_value.set_value(value)
+            else:
+                closure.remote_value.set_error(cancelled)
             self._condition.notify_all()
 
     def mark_failed(self, closure, error: BaseException) -> None:
-        """A closure failed: keep its error and cancel what is still queued."""
+        """A closure failed: keep its error and cancel what is queued and running."""
         with self._condition:
-            if not self._done_with(closure):
+            cancelled = self._done_with(closure)
+            if cancelled is None:
+                closure.remote_value.set_error(error)
                 self._set_error_locked(error)
+            else:
+                closure.remote_value.set_error(cancelled)
             self._condition.notify_all()
 
     def set_error(self, error: BaseException) -> None:
@@ -94,9 +109,10 @@ class ClosureQueue:
     def _set_error_locked(self, error):
         if self._error is None:
             self._error = error
-            self._doomed |= self._running
+            for closure in self._running:
+                self._doomed.setdefault(closure, _cancelled(error))
         while self._queue:
-            self._queue.popleft().remote_value.set_error(errors.CancelledError(_CANCELLED))
+            self._queue.popleft().remote_value.set_error(_cancelled(self._error))
 
     def _raise_error_locked(self):
         if self._error is not None:
@@ -109,20 +125,20 @@ class ClosureQueue:
             # After an error the queue is cancelled; the closures still running
             # are waited for, so their errors are cleared with the first one.
             finished = self._condition.wait_for(
-                lambda: not self._queue and not self._inflight, timeout
+                lambda: not self._queue and not self._running, timeout
             )
             self._raise_error_locked()
             if not finished:
                 raise errors.DeadlineExceededError(
                     f"The scheduled functions did not finish within {timeout} s: "
-                    f"{len(self._queue)} queued, {self._inflight} running. "
+                    f"{len(self._queue)} queued, {len(self._running)} running. "
                     f"Received: timeout={timeout}"
                 )
 
     def done(self) -> bool:
         with self._condition:
             self._raise_error_locked()
-            return not self._queue and not self._inflight
+            return not self._queue and not self._running
 
     def stop(self) -> None:
         with self._condition:

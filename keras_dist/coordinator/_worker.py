@@ -67,14 +67,13 @@ class WorkerThread:
                         f"{error.message}",
                         _ps_tasks(error),
                     )
-                closure.remote_value.set_error(error)
                 self._queue.mark_failed(closure, error)
             except Exception as error:  # noqa: BLE001 - a coordinator bug; reported, not hung
-                closure.remote_value.set_error(error)
                 self._queue.mark_failed(closure, error)
             else:
-                closure.remote_value.set_value(value)
-                self._queue.mark_finished(closure)
+                # The queue sets the value, or the cancellation of an error that
+                # came while this closure ran, under its lock.
+                self._queue.mark_finished(closure, value)
 
     def _wait_until_back(self) -> None:
         """Probes the worker until it answers; it then gets everything sent again."""

@@ -155,6 +155,7 @@ def _check_enough_files(dataset, num_shards):
             f"{len(dataset.files)}, num_shards={num_shards}"
         )
 
+
 def tf_data_auto_shard_policy_name(dataset) -> "str | None":
     """The name of a ``tf.data.Dataset``'s ``auto_shard_policy`` option, else ``None``."""
     if not (type(dataset).__module__ or "").startswith("tensorflow"):
@@ -167,7 +168,6 @@ def tf_data_auto_shard_policy_name(dataset) -> "str | None":
     except AttributeError:
         return None
     return getattr(policy, "name", None)
-
 
 
 def _tf_data_policy(dataset) -> AutoShardPolicy:

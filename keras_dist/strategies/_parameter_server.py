@@ -26,6 +26,7 @@ from keras_dist import _context
 from keras_dist._engine._interface import ReplicaEngine
 from keras_dist._keras import StrategyDistribution
 from keras_dist._keras import set_variable_class
+from keras_dist._keras import slot_reference
 from keras_dist._ps import Location
 from keras_dist._ps import ParameterServers
 from keras_dist._ps import PSVariable
@@ -209,13 +210,24 @@ class ParameterServerExtended(StrategyExtended):
                 f"`strategy.scope()` beforehand. Received: a new variable {variable.path!r}"
             )
         shape = tuple(variable.shape)
-        rows = shard_rows(shape, variable.dtype, self.variable_partitioner) if shape else [None]
+        # An optimizer slot goes beside its variable, shard by shard (as TF
+        # colocates slots): the ps task applies the variable's update alone.
+        reference = slot_reference()
+        beside = None
+        if isinstance(reference, PSVariable) and tuple(reference.shape) == shape:
+            beside = reference.location.shards if self._colocate_with is None else None
+        if beside is not None:
+            rows = [shard.rows for shard in beside]
+        else:
+            rows = shard_rows(shape, variable.dtype, self.variable_partitioner) if shape else [None]
         set_variable_class(variable, PartitionedVariable if len(rows) > 1 else PSVariable)
         variable.attach_to(self.container_strategy)
         shards = []
         for n, count in enumerate(rows):
             if self._colocate_with is not None:
                 task = self._colocate_with.location.shards[0].task
+            elif beside is not None:
+                task = beside[n].task
             else:
                 task = self._next_ps % self.parameter_servers.num_ps
                 self._next_ps += 1

@@ -31,14 +31,21 @@ from keras_dist.strategies._parameter_server_data import FromWorkers
 
 
 def _as_deltas(variables, values):
-    """Writes Keras's new state as increments, so concurrent workers' steps compose."""
+    """Writes Keras's new state as increments, so concurrent workers' steps compose.
+
+    A value Keras left as it was is not written: the variables an optimizer
+    updates on the ps tasks come back unchanged, and their update is sent as
+    gradients instead.
+    """
     for variable, value in zip(variables, values):
-        variable.assign_add(value - variable.value)
+        if value is not variable.value:
+            variable.assign_add(value - variable.value)
 
 
 def _assign(variables, values):
     for variable, value in zip(variables, values):
-        variable.assign(value)
+        if value is not variable.value:
+            variable.assign(value)
 
 
 def _from_workers(batch) -> bool:

@@ -1,0 +1,140 @@
+"""Optimizer updates applied on the parameter servers (DESIGN §10).
+
+With a gradient that does not depend on the weights, the order in which
+asynchronous workers' steps reach the ps does not matter: when every update
+runs on the ps, on the values there, N steps on two workers give exactly the
+optimizer's N sequential steps on one device. Updates computed on a worker
+from values it read earlier lose steps (the momentum of one worker's step
+overwrites another's), so these numbers fail there.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist.experimental import partitioners
+
+pytestmark = pytest.mark.timeout(180)
+
+GRADIENT = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def two_workers_two_ps():
+    return kd.testing.create_in_process_cluster(num_workers=2, num_ps=2)
+
+
+def _sequential(make_optimizer, steps=STEPS):
+    """``steps`` updates from the constant gradients on one device: the expected values."""
+    kernel, bias = keras.Variable(np.ones(4, np.float32)), keras.Variable(np.zeros(2, np.float32))
+    optimizer = make_optimizer()
+    optimizer.build([kernel, bias])
+    for _ in range(steps):
+        optimizer.apply([GRADIENT, np.ones(2, np.float32)], [kernel, bias])
+    return kernel.numpy(), bias.numpy()
+
+
+def _scheduled(strategy, make_optimizer, steps=STEPS, partitioned=False):
+    with strategy.scope():
+        kernel = keras.Variable(np.ones(4, np.float32), name="kernel")
+        bias = keras.Variable(np.zeros(2, np.float32), name="bias")
+        optimizer = make_optimizer()
+        optimizer.build([kernel, bias])
+    coordinator = kd.coordinator.ClusterCoordinator(strategy)
+
+    def step():
+        grads = [keras.ops.convert_to_tensor(GRADIENT), keras.ops.ones((2,))]
+        optimizer.apply(grads, [kernel, bias])
+
+    for _ in range(steps):
+        coordinator.schedule(step)
+    coordinator.join()
+    return kernel, bias, optimizer
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "nesterov-clipnorm": lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, nesterov=True, global_clipnorm=1.0
+    ),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum", "nesterov-clipnorm", "rmsprop"])
+def test_concurrent_steps_give_the_sequential_updates(two_workers_two_ps, name):
+    strategy = kd.ParameterServerStrategy(two_workers_two_ps)
+    kernel, bias, optimizer = _scheduled(strategy, OPTIMIZERS[name])
+    expected_kernel, expected_bias = _sequential(OPTIMIZERS[name])
+    assert int(optimizer.iterations.numpy()) == STEPS
+    np.testing.assert_allclose(kernel.numpy(), expected_kernel, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(bias.numpy(), expected_bias, rtol=2e-5, atol=1e-6)
+
+
+def test_adam_on_one_ps_reads_the_iteration_count_there():
+    # The iteration count lives on the task that runs the update: Adam's bias
+    # correction sees every step, even when two workers' steps overlap.
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=2, num_ps=1)
+    )
+    kernel, bias, optimizer = _scheduled(strategy, OPTIMIZERS["adamw"])
+    expected_kernel, expected_bias = _sequential(OPTIMIZERS["adamw"])
+    assert int(optimizer.iterations.numpy()) == STEPS
+    np.testing.assert_allclose(kernel.numpy(), expected_kernel, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(bias.numpy(), expected_bias, rtol=2e-5, atol=1e-6)
+
+
+def test_slots_live_beside_their_variables(two_workers_two_ps):
+    strategy = kd.ParameterServerStrategy(
+        two_workers_two_ps, variable_partitioner=partitioners.FixedShardsPartitioner(2)
+    )
+    with strategy.scope():
+        table = keras.Variable(np.zeros((6, 2), np.float32), name="table")
+        scale = keras.Variable(1.0, name="scale")
+        optimizer = keras.optimizers.Adam()
+        optimizer.build([table, scale])
+    slots = {v.path: v for v in optimizer.variables}
+    for slot in ("adam/table_momentum", "adam/table_velocity"):
+        assert [s.device for s in slots[slot].variables] == [s.device for s in table.variables]
+        assert [s.shape for s in slots[slot].variables] == [(3, 2), (3, 2)]
+    assert slots["adam/scale_momentum"].device == scale.device
+
+
+def test_partitioned_variables_are_updated_on_the_worker_and_count_every_step():
+    # A partitioned variable's update runs on the worker (its shards are on
+    # several tasks); one worker's steps then equal the sequential ones.
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=1, num_ps=2),
+        variable_partitioner=partitioners.FixedShardsPartitioner(2),
+    )
+    kernel, bias, optimizer = _scheduled(strategy, OPTIMIZERS["sgd-momentum"], steps=10)
+    expected_kernel, expected_bias = _sequential(OPTIMIZERS["sgd-momentum"], steps=10)
+    assert len(kernel.variables) == 2
+    assert int(optimizer.iterations.numpy()) == 10
+    np.testing.assert_allclose(kernel.numpy(), expected_kernel, rtol=1e-5)
+    np.testing.assert_allclose(bias.numpy(), expected_bias, rtol=1e-5)
+
+
+def _mean_output_model():
+    # The loss is the mean prediction: its gradient is the batch's mean row,
+    # the same for every batch of identical rows, whatever the weights.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, use_bias=False)])
+    model.compile(keras.optimizers.SGD(0.05, momentum=0.9), lambda y, p: keras.ops.mean(p))
+    model.layers[0].kernel.assign(np.ones((4, 1), np.float32))
+    return model
+
+
+def test_fit_on_two_workers_applies_every_step_on_the_ps(two_workers_two_ps):
+    x = np.tile(GRADIENT, (256, 1))
+    y = np.zeros((256, 1), np.float32)
+    plain = _mean_output_model()
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = kd.ParameterServerStrategy(two_workers_two_ps)
+    with strategy.scope():
+        model = _mean_output_model()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 32
+    np.testing.assert_allclose(model.get_weights()[0], plain.get_weights()[0], rtol=2e-5)
