@@ -5,6 +5,7 @@ Every server of a cluster runs in this process on 127.0.0.1 ports, as TF's
 workers over gRPC. Expected values are TF's.
 """
 
+import itertools
 import logging
 import threading
 
@@ -334,7 +335,8 @@ def test_per_worker_datasets(coordinator):
 def test_per_worker_dataset_shards_by_worker_index(coordinator):
     def dataset_fn():
         index = kd.coordinator.experimental_get_current_worker_index()
-        return [np.arange(10)[index::5]]
+        # TF's range(10).shard(5, index), summed whole by every closure.
+        return itertools.repeat(np.arange(10)[index::5])
 
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
@@ -342,17 +344,12 @@ def test_per_worker_dataset_shards_by_worker_index(coordinator):
         return kd.coordinator.experimental_get_current_worker_index(), keras.ops.sum(next(it))
 
     sums = {}
-    while len(sums) < 5:
-        for value in [coordinator.schedule(fn, args=(iterator,)) for _ in range(5)]:
-            try:
-                index, total = value.fetch()
-            except errors.OutOfRangeError:
-                continue
+    for _ in range(50):  # until every worker ran one (which runs where is up to the queue)
+        for value in [coordinator.schedule(fn, args=(iterator,)) for _ in range(10)]:
+            index, total = value.fetch()
             sums[int(index)] = int(total)
-        try:
-            coordinator.join()
-        except errors.OutOfRangeError:
-            pass
+        if len(sums) == 5:
+            break
     assert [sums[i] for i in range(5)] == [5, 7, 9, 11, 13]
 
 
@@ -388,7 +385,8 @@ def test_closure_error_is_raised_by_join_then_cleared(coordinator):
             outcomes.append(int(value.fetch()))
         except (errors.OutOfRangeError, errors.CancelledError):
             outcomes.append(None)
-    assert 1 <= outcomes.count(1) <= 5
+    # One element a worker; closures running when the first error came are cancelled.
+    assert outcomes.count(1) <= 5 and set(outcomes) <= {1, None}
     assert coordinator.schedule(lambda: np.int32(7)).fetch() == 7
 
 
