@@ -8,6 +8,9 @@ from values it read earlier lose steps (the momentum of one worker's step
 overwrites another's), so these numbers fail there.
 """
 
+import gc
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -139,3 +142,25 @@ def test_fit_on_two_workers_applies_every_step_on_the_ps(two_workers_two_ps):
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 32
     np.testing.assert_allclose(model.get_weights()[0], plain.get_weights()[0], rtol=2e-5)
+
+
+def test_a_collected_variable_is_freed_on_its_ps_task(two_workers_two_ps):
+    strategy = kd.ParameterServerStrategy(two_workers_two_ps)
+    servers = strategy.extended.parameter_servers
+    with strategy.scope():
+        kept = keras.Variable(np.ones(3, np.float32))
+        dropped = keras.Variable(np.full(1000, 2.0, np.float32))
+    location = dropped.location
+    assert servers.read([location])[0][0] == 2.0
+    del dropped
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            servers.read([location])
+        except kd.errors.NotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the collected variable is still stored on its ps task")
+    np.testing.assert_array_equal(kept.numpy(), np.ones(3))

@@ -60,6 +60,11 @@ class Program:
         # [(ps task, update id, how many arrays the program returns for it)]
         self.updates = [(u.task, u.update_id, len(u.variables) + len(u.sent)) for u in updates]
 
+    @property
+    def alive(self) -> bool:
+        """Whether every variable it uses still exists (a freed one's id may come back)."""
+        return all(ref() is not None for ref in self._variables)
+
     def header(self) -> dict:
         """What a worker needs besides the serialized program."""
         return {
@@ -137,7 +142,7 @@ class ProgramCache:
         key = (FunctionKey(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
         with self._lock:
             program = self._programs.get(key)
-            if program is None:
+            if program is None or not program.alive:
                 program = self._trace(fn, leaves, treedef, dynamic, per_worker, iterators)
                 self._programs = {k: p for k, p in self._programs.items() if k[0].alive}
                 self._programs[key] = program

@@ -185,6 +185,13 @@ class ParameterServers:
             values.append(value.astype(dtype_from_name(location.dtype), copy=False))
         return values
 
+    def delete_soon(self, location: Location) -> None:
+        """Frees a variable's shards in the background (a variable was collected)."""
+        try:
+            self._pool.submit(self.delete, location)
+        except RuntimeError:  # the pool is shut down: these clients are closed
+            pass
+
     def delete(self, location: Location) -> None:
         """Frees a variable's shards (best effort: a lost task has lost them anyway)."""
         for shard in location.shards:

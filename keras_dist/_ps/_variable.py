@@ -10,6 +10,8 @@ scope maps it), and writes are recorded with their kind: an ``assign_add`` is
 sent as a delta that the ps adds atomically, so concurrent workers compose.
 """
 
+import weakref
+
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -36,6 +38,11 @@ class PSVariable(DistributedVariable):
         self.__dict__["_kd_servers"] = servers
         self.__dict__["_kd_if_absent"] = if_absent
         self.__dict__["_kd_created"] = False
+        if not if_absent:
+            # The ps tasks free the value once nothing here holds the variable.
+            # (Between-graph workers share their variables: none frees them.)
+            free = weakref.finalize(self, servers.delete_soon, location)
+            free.atexit = False
 
     @property
     def location(self):

@@ -3,8 +3,9 @@
 Keras's loops stay (callbacks on the coordinator, progress bar, validation);
 each step is scheduled onto a free worker through the strategy's
 ``ClusterCoordinator``: Keras's own stateless ``train_step`` runs there on
-values read from the ps tasks, and its new state goes back as deltas that
-the ps tasks add (weights, optimizer slots and counters, metric totals), so
+values read from the ps tasks. Its optimizer update is applied by the ps
+tasks holding the weights (``_ps._apply``), and the rest of its new state
+goes back as deltas that the ps tasks add (counters, metric totals), so
 workers running steps at once all count: ``optimizer.iterations`` ends at
 epochs × steps exactly. In between-graph mode (a worker task running the
 program itself) the steps run in the worker's own process, asynchronously
