@@ -7,6 +7,7 @@ Iterating it on the coordinator raises, as TF's does.
 """
 
 import inspect
+import threading
 
 import jax
 import keras
@@ -77,9 +78,21 @@ class DatasetCreator(keras.utils.PyDataset):
         self.input_options = input_options
         self._tokens = None
         self._local = None  # (context, iterator) when this process reads the batches
+        # Keras may read an epoch's batches while the last epoch's reader still
+        # runs (both in threads): one ``next`` on the pipeline at a time.
+        self._reading = threading.Lock()
 
     def __call__(self, *args, **kwargs):
         return self.dataset_fn(*args, **kwargs)
+
+    def __getstate__(self):
+        # A copy (Keras's multiprocessing readers) starts its own pipeline.
+        state = dict(self.__dict__, _local=None)
+        state.pop("_reading")
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _reading=threading.Lock())
 
     @property
     def num_batches(self):
@@ -103,6 +116,10 @@ class DatasetCreator(keras.utils.PyDataset):
 
     def _next_local_batch(self, strategy):
         """Under other strategies this process reads the pipeline itself, across epochs (TF's)."""
+        with self._reading:
+            return self._next_local_batch_locked(strategy)
+
+    def _next_local_batch_locked(self, strategy):
         if self._local is None:
             context = InputContext(1, 0, strategy.num_replicas_in_sync)
             self._local = (context, iter(self._build(context)))
