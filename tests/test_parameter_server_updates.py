@@ -1,4 +1,4 @@
-"""Optimizer updates applied on the parameter servers (DESIGN §10).
+"""Optimizer updates applied on the parameter servers (DESIGN §10), and a worker's devices.
 
 With a gradient that does not depend on the weights, the order in which
 asynchronous workers' steps reach the ps does not matter: when every update
@@ -11,11 +11,14 @@ overwrites another's), so these numbers fail there.
 import gc
 import time
 
+import jax
 import keras
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import keras_dist as kd
+from keras_dist._ps._worker_service import spread_over
 from keras_dist.experimental import partitioners
 
 pytestmark = pytest.mark.timeout(180)
@@ -164,3 +167,42 @@ def test_a_collected_variable_is_freed_on_its_ps_task(two_workers_two_ps):
     else:
         raise AssertionError("the collected variable is still stored on its ps task")
     np.testing.assert_array_equal(kept.numpy(), np.ones(3))
+
+
+# -------------------------------------------- between-graph: local devices in sync
+def test_between_graph_worker_splits_each_step_over_its_local_devices():
+    # This process has 8 CPU devices (conftest): a worker task running fit
+    # itself splits every batch of 32 over them, and gets one device's numbers.
+    cluster = kd.testing.create_in_process_cluster(num_workers=1, num_ps=1)
+    as_worker = kd.cluster_resolver.SimpleClusterResolver(
+        cluster.cluster_spec(), task_type="worker", task_id=0
+    )
+    strategy = kd.ParameterServerStrategy(as_worker)
+    assert strategy.extended.experimental_between_graph
+    assert len(strategy.extended.worker_devices) == jax.local_device_count() == 8
+    x = np.random.default_rng(0).normal(size=(128, 4)).astype("float32")
+    y = x @ np.arange(1.0, 5.0, dtype="float32")[:, None]
+
+    def build():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse")
+        return model
+
+    plain = build()
+    expected = plain.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    with strategy.scope():
+        model = build()
+    history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    # Equal up to the order of the summed rows (8 partial sums, then the all-reduce).
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    for mine, theirs in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_spread_over_splits_batches_and_copies_the_rest():
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:4]), ("replica",))
+    weights, batch, ragged, index = np.ones((3, 2)), np.ones((8, 3)), np.ones((6, 3)), np.int32(0)
+    placed = spread_over(mesh, [weights, batch, ragged, index], range(1, 3))
+    assert [p.sharding.spec for p in placed] == [P(), P("replica"), P(), P()]
+    assert placed[1].addressable_shards[0].data.shape == (2, 3)

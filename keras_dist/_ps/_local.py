@@ -4,7 +4,9 @@ In TF1's between-graph mode every worker runs the training program itself.
 ``LocalScheduler`` gives such a worker the coordinator's ``schedule``: the
 function is traced into the same program a coordinator would send, and runs
 here at once (read the variables from the ps tasks, run, send the writes
-back), asynchronously with the other workers.
+back), asynchronously with the other workers. The worker's local devices
+run each step together, as synchronous replicas: the batch is split between
+them and XLA all-reduces the gradients (``spread_over``).
 """
 
 from keras_dist._ps._remote_value import RemoteValue
@@ -23,7 +25,9 @@ class LocalScheduler:
         self._programs = extended.programs
         self._index = worker_index
         name = f"/job:worker/replica:0/task:{worker_index}"
-        self._service = WorkerService(name, extended.cluster_spec, extended.num_workers)
+        self._service = WorkerService(
+            name, extended.cluster_spec, extended.num_workers, devices=extended.step_devices
+        )
         self._loaded: set = set()
 
     def schedule(self, fn, args=(), kwargs=None) -> RemoteValue:

@@ -15,6 +15,9 @@ import threading
 import cloudpickle
 import jax
 import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 from keras_dist import errors
 from keras_dist._input import InputContext
@@ -48,12 +51,37 @@ class _LoadedProgram:
         return results, writes, updates
 
 
-class WorkerService:
-    """Answers the coordinator's requests on one worker task."""
+def spread_over(mesh, inputs, batch_inputs: range) -> list:
+    """``inputs`` placed on ``mesh``'s devices: ``batch_inputs`` split along axis 0.
 
-    def __init__(self, task_name: str, cluster_spec, num_workers: int, credentials=None):
+    An input whose first axis the devices divide is split (each device takes
+    its rows); the rest (variable values, the worker index, a ragged batch)
+    is copied to every device. XLA then runs the program as synchronous
+    replicas on the devices and all-reduces what the rows contribute to, the
+    gradients, so the step's numbers are the one-device step's.
+    """
+    split = NamedSharding(mesh, PartitionSpec("replica"))
+    copied = NamedSharding(mesh, PartitionSpec())
+    placed = []
+    for i, x in enumerate(inputs):
+        splits = i in batch_inputs and np.ndim(x) >= 1 and np.shape(x)[0] % mesh.size == 0
+        placed.append(jax.device_put(x, split if splits else copied))
+    return placed
+
+
+class WorkerService:
+    """Answers the coordinator's requests on one worker task.
+
+    Given several ``devices`` (a between-graph worker's local devices), each
+    program runs on all of them, its batch split between them (``spread_over``).
+    """
+
+    def __init__(
+        self, task_name: str, cluster_spec, num_workers: int, credentials=None, devices=()
+    ):
         self.task_name = task_name
         self.servers = ParameterServers(cluster_spec, credentials)
+        self._mesh = Mesh(np.array(devices), ("replica",)) if len(devices) > 1 else None
         self._num_workers = num_workers
         self._programs: dict = {}
         self._datasets: dict = {}
@@ -136,6 +164,10 @@ class WorkerService:
                     ) from None
                 inputs += [np.asarray(x) for x in jax.tree_util.tree_leaves(element)]
         inputs.append(np.int32(header["worker_index"]))
+        if self._mesh is not None:
+            # Every input but the variables' values and the worker index is data.
+            batch_inputs = range(len(program.locations), len(inputs) - 1)
+            inputs = spread_over(self._mesh, inputs, batch_inputs)
         try:
             outputs = [np.asarray(x) for x in program.call(*inputs)]
         except (TypeError, ValueError) as error:

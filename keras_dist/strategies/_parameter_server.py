@@ -150,6 +150,9 @@ class ParameterServerExtended(StrategyExtended):
     # ------------------------------------------------- replicas and devices
     @property
     def num_replicas_in_sync(self) -> int:
+        # A between-graph worker's local devices split each step's batch as one
+        # program (XLA's all-reduce joins them): a step's function sees the whole
+        # batch, one replica, and its numbers are the one-device step's.
         return 1
 
     @property
@@ -157,8 +160,15 @@ class ParameterServerExtended(StrategyExtended):
         return (jax.local_devices()[0],)
 
     @property
+    def step_devices(self) -> tuple:
+        """The devices a step runs on: a between-graph worker's local devices, else one."""
+        return tuple(jax.local_devices()) if self._between_graph else self.local_devices
+
+    @property
     def worker_devices(self) -> tuple:
-        return ("/device:CPU:0",)
+        return tuple(
+            f"/device:{device.platform.upper()}:{device.id}" for device in self.step_devices
+        )
 
     @property
     def parameter_devices(self) -> tuple:
