@@ -14,10 +14,10 @@ compose, and none is lost.
 
 The values an update reads from other tasks (the iteration count, the
 learning rate) are the worker's, as on TF's parameter servers. An update
-that cannot run on one task runs on the worker as before, its writes sent as
-deltas: a partitioned variable, slots on another task, gradient
-accumulation, EMA, constraints, or an update inside ``cond`` (Keras's
-``LossScaleOptimizer``).
+that cannot run on one task runs on the worker, its writes sent as deltas so
+that concurrent workers' slot updates add up: a partitioned variable's, one
+with slots on another task, gradient accumulation, EMA or constraints, or
+one inside ``cond`` (Keras's ``LossScaleOptimizer``).
 """
 
 import hashlib
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import apply_update
 from keras_dist._keras import clip_gradients
+from keras_dist._ps._trace import current_trace
 from keras_dist._ps._trace import used_inputs
 
 
@@ -94,10 +95,13 @@ class GradientRouter:
         self._trace_state = jax.extend.core.get_opaque_trace_state()
 
     def __call__(self, optimizer, grads, variables) -> bool:
-        if not self.enabled or not _can_run_on_ps(optimizer, variables):
+        on_ps = self.enabled and _can_run_on_ps(optimizer, variables)
+        # Inside cond or grad the values cannot leave the program.
+        if not on_ps or jax.extend.core.get_opaque_trace_state() != self._trace_state:
+            trace = current_trace()
+            if trace is not None:
+                trace.deltas.update(id(v) for v in [*variables, *optimizer.variables])
             return False
-        if jax.extend.core.get_opaque_trace_state() != self._trace_state:
-            return False  # inside cond or grad: the values cannot leave the program
         grads = clip_gradients(optimizer, grads)
         snapshot = {id(v): v.value for v in optimizer.variables}
         self.steps.append(OptimizerStep(optimizer, variables, list(grads), snapshot))

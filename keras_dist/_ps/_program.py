@@ -216,7 +216,7 @@ class ProgramCache:
                     if id(v) not in scope.assigned:
                         continue
                     new = jnp.asarray(scope.state_mapping[id(v)]).astype(v.dtype)
-                    kind = trace.kinds.get(id(v), "assign")
+                    kind = "add" if id(v) in trace.deltas else trace.kinds.get(id(v), "assign")
                     writes.append((n, kind))
                     payloads.append(new - old[id(v)] if kind == "add" else new)
                 for step_index, update in plan:

@@ -18,6 +18,10 @@ class ProgramTrace:
     def __init__(self, worker_index):
         self.worker_index = worker_index
         self.kinds: dict = {}  # id(variable) -> "add" while only added to, else "assign"
+        # Variables an optimizer updates on the worker (its update cannot run on
+        # a ps task): their new values go back as deltas, so that concurrent
+        # workers' updates of a slot add up instead of overwriting each other.
+        self.deltas: set = set()
 
     def note_write(self, variable, kind: str) -> None:
         """Records a write; a variable only added to (or subtracted from) sends its delta."""
