@@ -6,6 +6,7 @@ would set an environment variable when loaded and checks it never was, and,
 as a control, that the same request with the token does load it.
 """
 
+import json
 import os
 import pickle
 import shutil
@@ -226,3 +227,16 @@ def test_tls_from_the_environment_covers_the_whole_cluster(tmp_path, monkeypatch
     plain = RpcClient(resolver.cluster_spec().task_address("ps", 0), name="ps0")
     with pytest.raises(errors.UnavailableError):
         plain.call({"op": "ping"}, timeout=5)
+
+
+def test_a_task_process_keeps_its_step_buffers(monkeypatch):
+    from keras_dist._ps._memory import is_own_task
+    from keras_dist._ps._memory import keep_freed_buffers
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"task": {"type": "ps", "index": 1}}))
+    assert is_own_task("ps", 1)
+    assert not is_own_task("ps", 0) and not is_own_task("worker", 1)
+    monkeypatch.setenv("TF_CONFIG", "not json")
+    assert not is_own_task("ps", 1)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
+    assert not keep_freed_buffers()  # the user's own glibc settings win

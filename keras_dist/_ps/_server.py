@@ -9,6 +9,8 @@ its whole cluster in a notebook), or one per process, started from TF_CONFIG.
 import logging
 
 from keras_dist._ps._auth import token_from_environment
+from keras_dist._ps._memory import is_own_task
+from keras_dist._ps._memory import keep_freed_buffers
 from keras_dist._ps._store import VariableStore
 from keras_dist._ps._transport import RpcServer
 from keras_dist._ps._worker_service import WorkerService
@@ -127,6 +129,8 @@ class Server:
                 "can call it. Set the same token on every task of a multi-process cluster.",
                 self.task_name,
             )
+        if self.job_name in ("ps", "worker") and is_own_task(self.job_name, self.task_index):
+            keep_freed_buffers()  # a process of its own: each step's buffers are reused
         self._rpc.start()
         self._started = True
         _RUNNING.add(self)

@@ -88,9 +88,9 @@ class VariableStore:
 
     def _read(self, keys):
         with self._lock:
-            # Encoded under the lock: one copy of a consistent snapshot.
             values = [self._lookup(key) for key in keys]
-            return _wire.encode({"version": self.version}, values)
+            version = self.version
+        return _wire.encode({"version": version}, values)  # a snapshot, as in ``_update``
 
     def _update(self, header, arrays):
         writes = header["writes"]
@@ -116,8 +116,11 @@ class VariableStore:
                     combine = np.add if kind == "add" else np.subtract
                     self._values[key] = combine(target, value).astype(target.dtype, copy=False)
             self.version += 1
+            version = self.version
             values = [self._lookup(key) for key in header.get("read", ())]
-            return _wire.encode({"version": self.version}, values)
+        # Stored values are replaced, never changed in place: the arrays taken
+        # under the lock are a consistent snapshot, encoded without holding it.
+        return _wire.encode({"version": version}, values)
 
     def _run_update(self, update_id, arrays) -> None:
         update = self._updates.get(update_id)

@@ -87,7 +87,10 @@ class ClosureQueue:
                 closure.remote_value.set_value(value)
             else:
                 closure.remote_value.set_error(cancelled)
-            self._condition.notify_all()
+            # Only ``wait`` waits for a closure to finish (getters wait for the
+            # queue): wake it when the last one is done, not after every one.
+            if not self._queue and not self._running:
+                self._condition.notify_all()
 
     def mark_failed(self, closure, error: BaseException) -> None:
         """A closure failed: keep its error and cancel what is queued and running."""
