@@ -625,3 +625,50 @@ def test_partitioned_variables_are_sharded_variables(five_workers):
     assert isinstance(table, kd.experimental.ShardedVariable)
     assert not isinstance(scalar, kd.experimental.ShardedVariable)
     assert np.asarray(table.embedding_lookup([0, 3, 4])).tolist() == [[1, 2], [7, 8], [9, 10]]
+
+
+def test_closures_of_one_program_are_taken_together_in_fair_shares():
+    from types import SimpleNamespace
+
+    from keras_dist.coordinator._closure_queue import Closure
+    from keras_dist.coordinator._closure_queue import ClosureQueue
+
+    a, b = SimpleNamespace(program="a"), SimpleNamespace(program="b")
+    queue = ClosureQueue()
+    closures = [Closure(call, kd.coordinator.RemoteValue()) for call in (a, a, b, a)]
+    for closure in closures:
+        queue.put(closure)
+    assert queue.get_many(1, limit=4, workers=1) == closures[:2]  # b breaks the run
+    assert queue.get_many(1, limit=4, workers=1) == closures[2:3]
+    assert queue.get_many(1, limit=4, workers=1) == closures[3:]
+    more = [Closure(a, kd.coordinator.RemoteValue()) for _ in range(8)]
+    for closure in more:
+        queue.put(closure)
+    assert len(queue.get_many(1, limit=4, workers=4)) == 2  # a quarter of the queue
+    assert len(queue.get_many(1, limit=4, workers=1)) == 4  # at most ``limit``
+
+
+def test_closures_sent_together_fail_one_by_one():
+    # One worker: the queued closures reach it in one request. The two that
+    # find an element return it; the third fails and join raises its error;
+    # the one after it is cancelled, as a closure queued behind an error.
+    coordinator = ClusterCoordinator(
+        kd.ParameterServerStrategy(kd.testing.create_in_process_cluster(num_workers=1, num_ps=1))
+    )
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: [np.int32(5), np.int32(6)]))
+    values = []
+    try:
+        for _ in range(4):
+            values.append(coordinator.schedule(lambda it: next(it), args=(iterator,)))
+    except errors.OutOfRangeError:
+        pass  # the third failed before the fourth was scheduled: schedule raised it
+    else:
+        with pytest.raises(errors.OutOfRangeError):
+            coordinator.join()
+    assert [int(v.fetch()) for v in values[:2]] == [5, 6]
+    with pytest.raises(errors.OutOfRangeError):
+        values[2].fetch()
+    for value in values[3:]:
+        with pytest.raises(errors.CancelledError):
+            value.fetch()
+    coordinator.join()  # cleared

@@ -78,13 +78,16 @@ class RemoteError(errors.OpError):
         self.remote_type = remote_type
 
 
-def _error_reply(exc: BaseException) -> bytes:
+def error_header(exc: BaseException) -> dict:
+    """``exc`` as header fields that ``raise_if_error`` raises again on the caller's side."""
     name = type(exc).__name__
     if isinstance(exc, errors.OpError) and name in _ERRORS:
-        tasks = list(exc.lost_tasks)
-        return _wire.encode({"error": name, "message": exc.message, "tasks": tasks})
-    message = f"{name}: {exc}"
-    return _wire.encode({"error": "RemoteError", "message": message, "type": name})
+        return {"error": name, "message": exc.message, "tasks": list(exc.lost_tasks)}
+    return {"error": "RemoteError", "message": f"{name}: {exc}", "type": name}
+
+
+def _error_reply(exc: BaseException) -> bytes:
+    return _wire.encode(error_header(exc))
 
 
 def raise_if_error(header: dict) -> None:

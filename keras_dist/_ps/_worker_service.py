@@ -24,6 +24,7 @@ from keras_dist._input import InputContext
 from keras_dist._ps._ps_client import Location
 from keras_dist._ps._ps_client import ParameterServers
 from keras_dist._ps._trace import on_worker
+from keras_dist._ps._transport import error_header
 
 
 class _LoadedProgram:
@@ -110,6 +111,8 @@ class WorkerService:
             return {}, [], b""
         if op == "run":
             return self._run(header, arrays)
+        if op == "run_many":
+            return self._run_many(header, arrays)
         raise errors.InvalidArgumentError(
             f"{self.task_name} does not know the request `{op}`: the coordinator runs another "
             f"version of keras_dist. Received: op={op!r}"
@@ -145,6 +148,25 @@ class WorkerService:
         # values the previous one left, even if a caller sends two at once.
         with self._run_lock:
             return self._run_now(header, arrays)
+
+    def _run_many(self, header, arrays):
+        """Runs several calls one after the other (one request: one round trip for all).
+
+        Stops at the first that fails: the reply has the results of those
+        that ran (``done``) and the failure's error fields under ``failed``.
+        """
+        results, counts, position, failed = [], [], 0, None
+        for call in header["calls"]:
+            arguments = arrays[position : position + call["n_arrays"]]
+            position += call["n_arrays"]
+            try:
+                _, outputs, _ = self._run(call, arguments)
+            except Exception as error:  # noqa: BLE001 - sent back, raised for this call there
+                failed = error_header(error)
+                break
+            results += outputs
+            counts.append(len(outputs))
+        return {"done": len(counts), "counts": counts, "failed": failed}, results, b""
 
     def _run_now(self, header, arrays):
         program = self._lookup(self._programs, header["program_id"], "program")

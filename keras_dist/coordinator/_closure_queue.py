@@ -53,14 +53,31 @@ class ClosureQueue:
 
     def get(self, timeout: float) -> "Closure | None":
         """The next closure (now in flight), or ``None`` after ``timeout`` seconds."""
+        closures = self.get_many(timeout, limit=1, workers=1)
+        return closures[0] if closures else None
+
+    def get_many(self, timeout: float, limit: int, workers: int) -> list:
+        """The next closures (now in flight), ``[]`` after ``timeout`` seconds.
+
+        The first, and after it up to ``limit`` in all that run the same
+        program, but no more than a fair share of the queue between ``workers``.
+        """
         with self._condition:
             if not self._condition.wait_for(lambda: self._queue or self.stopped, timeout):
-                return None
+                return []
             if self.stopped:
-                return None
-            closure = self._queue.popleft()
-            self._running.add(closure)
-            return closure
+                return []
+            share = min(limit, -(-len(self._queue) // workers))
+            taken = [self._queue.popleft()]
+            program = getattr(taken[0].call, "program", None)
+            while (
+                self._queue
+                and len(taken) < share
+                and getattr(self._queue[0].call, "program", None) is program
+            ):
+                taken.append(self._queue.popleft())
+            self._running.update(taken)
+            return taken
 
     def put_back(self, closure: Closure) -> None:
         """Returns a closure whose worker was lost to the front of the queue."""

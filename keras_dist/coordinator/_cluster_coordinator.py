@@ -72,11 +72,12 @@ class ClusterCoordinator:
         alive = lambda: this() is not None  # noqa: E731 - threads must not hold the coordinator
         addresses = spec.job_tasks("worker")
         self._num_workers = len(addresses)
-        # One closure in flight per worker, as TF's coordinator: a worker runs
+        # One request in flight per worker, as TF's coordinator: a worker runs
         # its closures in the order they were queued (two in flight measured
-        # no faster here, and reordered a lone worker's steps).
+        # no faster here, and reordered a lone worker's steps). A request may
+        # carry a few closures of one program (``RUNS_PER_REQUEST``).
         self._workers = [
-            WorkerThread(i, address, self._queue, alive)
+            WorkerThread(i, address, self._queue, alive, len(addresses))
             for i, address in enumerate(addresses)
             for _ in range(CLOSURES_PER_WORKER)
         ]

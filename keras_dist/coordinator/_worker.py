@@ -1,11 +1,12 @@
 """One worker as the coordinator sees it: a thread that runs closures on it.
 
-The thread takes a closure, makes sure the worker has what it needs (the
-program, the per-worker datasets and iterators it reads) and asks it to run.
-A worker that cannot be reached gives its closure back to the queue (another
-worker runs it) and is probed until it answers again; then everything it had
-is sent again: a restarted worker rebuilds its datasets. A lost ps task is
-fatal, as in TF: the error reaches ``join``/``schedule``.
+The thread takes a closure (or a few queued closures of one program), makes
+sure the worker has what it needs (the program, the per-worker datasets and
+iterators it reads) and asks it to run them, in one request. A worker that
+cannot be reached gives its closures back to the queue (another worker runs
+them: at least once) and is probed until it answers again; then everything
+it had is sent again: a restarted worker rebuilds its datasets. A lost ps
+task is fatal, as in TF: the error reaches ``join``/``schedule``.
 """
 
 import threading
@@ -15,9 +16,14 @@ import cloudpickle
 
 from keras_dist import errors
 from keras_dist._ps._transport import RpcClient
+from keras_dist._ps._transport import raise_if_error
 
 RUN_TIMEOUT = 600.0
 PROBE_INTERVAL = 0.5
+# Closures of one program queued together go to a worker in one request (up
+# to this many, and a fair share of the queue): the worker runs them one
+# after the other, and a step does not pay its own round trip from here.
+RUNS_PER_REQUEST = 4
 
 
 class ClosureInputError(errors.OpError):
@@ -34,14 +40,15 @@ def _ps_tasks(error: errors.OpError) -> list:
 
 
 class WorkerThread:
-    """Runs closures from ``queue`` on worker ``index`` at ``address``."""
+    """Runs closures from ``queue`` on worker ``index`` of ``num_workers`` at ``address``."""
 
-    def __init__(self, index: int, address: str, queue, alive):
+    def __init__(self, index: int, address: str, queue, alive, num_workers: int = 1):
         self.index = index
         self.name = f"/job:worker/replica:0/task:{index}"
         self.client = RpcClient(address, name=self.name)
         self._queue = queue
         self._alive = alive  # returns False once the coordinator is gone
+        self._num_workers = num_workers
         self._sent: set = set()  # programs, datasets and iterators this worker has
         self.available = True
         self._thread = threading.Thread(target=self._loop, name=f"kd-{self.name}", daemon=True)
@@ -49,31 +56,40 @@ class WorkerThread:
 
     def _loop(self) -> None:
         while self._alive() and not self._queue.stopped:
-            closure = self._queue.get(timeout=0.5)
-            if closure is None:
+            closures = self._queue.get_many(0.5, RUNS_PER_REQUEST, self._num_workers)
+            if not closures:
                 continue
             try:
-                value = self._run(closure.call)
-            except errors.OpError as error:
-                if error.lost_tasks == (self.name,) and isinstance(
-                    error, (errors.UnavailableError, errors.DeadlineExceededError)
-                ):
-                    self._queue.put_back(closure)
-                    self._wait_until_back()
-                    continue
-                if _ps_tasks(error):
-                    error = errors.UnavailableError(
-                        f"Parameter server {', '.join(_ps_tasks(error))} is unavailable: "
-                        f"{error.message}",
-                        _ps_tasks(error),
-                    )
-                self._queue.mark_failed(closure, error)
-            except Exception as error:  # noqa: BLE001 - a coordinator bug; reported, not hung
-                self._queue.mark_failed(closure, error)
-            else:
-                # The queue sets the value, or the cancellation of an error that
-                # came while this closure ran, under its lock.
+                values, error = self._run_many([closure.call for closure in closures])
+            except Exception as bug:  # noqa: BLE001 - a coordinator bug; reported, not hung
+                values, error = [], bug
+            # The queue sets each value, or the cancellation of an error that
+            # came while the closure ran, under its lock.
+            for closure, value in zip(closures, values):
                 self._queue.mark_finished(closure, value)
+            if error is not None:
+                self._failed(closures[len(values) :], error)
+
+    def _failed(self, closures, error) -> None:
+        """``closures[0]`` failed with ``error``; the others did not run."""
+        if (
+            isinstance(error, errors.OpError)
+            and error.lost_tasks == (self.name,)
+            and isinstance(error, (errors.UnavailableError, errors.DeadlineExceededError))
+        ):
+            # The worker is lost: all of them run on another worker (at least once).
+            for closure in reversed(closures):
+                self._queue.put_back(closure)
+            self._wait_until_back()
+            return
+        if isinstance(error, errors.OpError) and _ps_tasks(error):
+            error = errors.UnavailableError(
+                f"Parameter server {', '.join(_ps_tasks(error))} is unavailable: {error.message}",
+                _ps_tasks(error),
+            )
+        self._queue.mark_failed(closures[0], error)
+        for closure in closures[1:]:
+            self._queue.put_back(closure)  # cancelled by that error, as TF's queue does
 
     def _wait_until_back(self) -> None:
         """Probes the worker until it answers; it then gets everything sent again."""
@@ -88,27 +104,63 @@ class WorkerThread:
         self._sent.clear()
         self.available = True
 
-    def _run(self, call):
-        program = call.program
-        for attempt in range(2):
+    def _run_many(self, calls) -> tuple:
+        """``(values, error)``: the results of the calls that ran, and why the next did not."""
+        values, resent = [], False
+        while len(values) < len(calls):
             try:
+                done, error = self._request(calls[len(values) :])
+            except errors.OpError as lost:
+                return values, lost
+            values += done
+            if error is None:
+                break
+            if (
+                isinstance(error, errors.NotFoundError)
+                and error.lost_tasks == (self.name,)
+                and not resent
+            ):
+                # The worker restarted between two calls: send everything again.
+                resent = True
+                self._sent.clear()
+                continue
+            return values, error
+        return values, None
+
+    def _request(self, calls) -> tuple:
+        """Runs ``calls`` on the worker in one request; ``(values, error)`` as ``_run_many``."""
+        try:
+            for call in calls:
                 self._ensure(call)
-                header = {
-                    "op": "run",
-                    "program_id": program.program_id,
+        except Exception as error:  # noqa: BLE001 - the first call's failure
+            return [], error
+        headers, arrays = [], []
+        for call in calls:
+            arguments = call.arrays_for(self.index)
+            headers.append(
+                {
+                    "program_id": call.program.program_id,
                     "worker_index": self.index,
                     "iterators": [[it.iterator_id, count] for it, count in call.iterators],
                     "epoch": call.epoch,
+                    "n_arrays": len(arguments),
                 }
-                _, results, _ = self.client.call(
-                    header, call.arrays_for(self.index), timeout=RUN_TIMEOUT
-                )
-                return program.results(results)
-            except errors.NotFoundError as error:
-                # The worker restarted between two calls: send everything again.
-                if attempt or error.lost_tasks != (self.name,):
-                    raise
-                self._sent.clear()
+            )
+            arrays += arguments
+        reply, results, _ = self.client.call(
+            {"op": "run_many", "calls": headers}, arrays, timeout=RUN_TIMEOUT * len(calls)
+        )
+        values, position = [], 0
+        for call, count in zip(calls, reply["counts"]):
+            values.append(call.program.results(results[position : position + count]))
+            position += count
+        error = None
+        if reply["failed"] is not None:
+            try:
+                raise_if_error(reply["failed"])
+            except errors.OpError as failure:
+                error = failure
+        return values, error
 
     def _ensure(self, call) -> None:
         program = call.program
