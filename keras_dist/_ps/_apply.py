@@ -15,11 +15,14 @@ compose, and none is lost.
 The values an update reads from other tasks (the iteration count, the
 learning rate) are the worker's, as on TF's parameter servers. An update
 that cannot run on one task runs on the worker, its writes sent as deltas so
-that concurrent workers' slot updates add up: a partitioned variable's, one
-with slots on another task, gradient accumulation, EMA or constraints, or
-one inside ``cond`` (Keras's ``LossScaleOptimizer``).
+that concurrent workers' slot updates add up: one with slots on another
+task, gradient accumulation, EMA or constraints, or one inside ``cond``
+(Keras's ``LossScaleOptimizer``). A partitioned variable's shards are
+updated each on its own task, as TF's optimizers update each shard of a
+``ShardedVariable`` as a variable of its own.
 """
 
+import contextlib
 import hashlib
 from typing import NamedTuple
 
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import apply_update
 from keras_dist._keras import clip_gradients
+from keras_dist._keras import set_variable_shape
 from keras_dist._ps._trace import current_trace
 from keras_dist._ps._trace import used_inputs
 
@@ -43,19 +47,21 @@ class OptimizerStep(NamedTuple):
 
 
 class UpdateProgram(NamedTuple):
-    """An optimizer's update of the variables on one ps task, ready to send there.
+    """An optimizer's update of the variables (or shards) on one ps task, ready to send there.
 
-    The program takes ``held`` (values stored on the task), the gradients of
-    ``variables``, then ``sent`` (values the worker sends), and returns the
-    new values of ``held[i]`` for ``i`` in ``written``.
+    The program takes the values stored under ``held_keys`` on the task, the
+    gradients of ``variables`` (their rows ``rows``, for shards), then ``sent``
+    (values the worker sends), and returns the new values of ``held_keys[i]``
+    for ``i`` in ``written``.
     """
 
     task: int
     update_id: str
     blob: bytes
-    held: list  # variables whose values the task reads (and maybe writes)
-    written: list  # indices into held
+    held_keys: list  # keys of the values the task reads (and maybe writes)
+    written: list  # indices into held_keys
     variables: list  # the updated variables, in gradient order
+    rows: list  # each variable's (start, stop) rows on this task, or None: all of it
     sent: list  # variables read on other tasks: the worker sends their values
 
     def header(self) -> dict:
@@ -63,23 +69,57 @@ class UpdateProgram(NamedTuple):
         return {
             "op": "load_update",
             "update_id": self.update_id,
-            "held": [v.location.shards[0].key for v in self.held],
+            "held": self.held_keys,
             "written": self.written,
         }
 
     def worker_values(self, step: OptimizerStep) -> list:
         """What the worker's program returns for this update: gradients, then sent values."""
         grads = {id(v): g for v, g in zip(step.variables, step.grads)}
-        values = [grads[id(v)] for v in self.variables]
+        values = []
+        for variable, rows in zip(self.variables, self.rows):
+            grad = grads[id(variable)]
+            values.append(grad if rows is None else grad[rows[0] : rows[1]])
         return values + [jnp.asarray(step.snapshot[id(v)]).astype(v.dtype) for v in self.sent]
 
 
-def _task(variable) -> "int | None":
-    """The one ps task holding ``variable``, or ``None`` (not a ps variable, or sharded)."""
+def _shard(variable, index: "int | None"):
+    """The shard ``index`` of a partitioned ``variable``, else its one shard (or ``None``)."""
     location = getattr(variable, "location", None)
-    if location is None or len(location.shards) != 1:
+    if location is None:
         return None
-    return location.shards[0].task
+    shards = location.shards
+    if len(shards) == 1:
+        return shards[0]
+    return shards[index] if index is not None and index < len(shards) else None
+
+
+def _shape(variable, index: "int | None") -> tuple:
+    """The shape of ``variable``'s shard ``index`` (its whole shape when unpartitioned)."""
+    shard = _shard(variable, index)
+    if shard is None or len(variable.location.shards) == 1:
+        return tuple(variable.shape)
+    return (shard.rows, *variable.shape[1:])
+
+
+@contextlib.contextmanager
+def _as_shards(variables, index: "int | None"):
+    """Gives partitioned ``variables`` their shard's shape while an update is traced.
+
+    As TF's optimizers update each shard of a ``ShardedVariable`` as a
+    variable of its own, the update of shard ``index`` is traced with the
+    variable and its slots at that shard's shape (Keras checks the shapes of
+    what is assigned).
+    """
+    partitioned = [v for v in variables if _shape(v, index) != tuple(v.shape)]
+    saved = [tuple(v.shape) for v in partitioned]
+    try:
+        for v in partitioned:
+            set_variable_shape(v, _shape(v, index))
+        yield
+    finally:
+        for v, shape in zip(partitioned, saved):
+            set_variable_shape(v, shape)
 
 
 class GradientRouter:
@@ -113,30 +153,42 @@ def _can_run_on_ps(optimizer, variables) -> bool:
         return False
     if any(v.constraint is not None for v in variables):
         return False
-    return all(_task(v) is not None for v in [*variables, *optimizer.variables])
+    return all(_shard(v, 0) is not None for v in [*variables, *optimizer.variables])
 
 
 def plan_updates(step: OptimizerStep) -> "list | None":
-    """The ``UpdateProgram``s of one optimizer step (one per ps task), or ``None``."""
-    by_task: dict = {}
+    """The ``UpdateProgram``s of one optimizer step (one per ps task and shard), or ``None``."""
+    groups: dict = {}
     for variable, grad in zip(step.variables, step.grads):
-        by_task.setdefault(_task(variable), []).append((variable, grad))
+        shards = variable.location.shards
+        if len(shards) == 1:
+            groups.setdefault((shards[0].task, -1), []).append((variable, grad, None))
+            continue
+        start = 0
+        for index, shard in enumerate(shards):
+            rows = (start, start + shard.rows)
+            groups.setdefault((shard.task, index), []).append((variable, grad, rows))
+            start += shard.rows
     programs = []
-    for task, pairs in sorted(by_task.items()):
-        program = trace_update(step.optimizer, task, pairs)
+    for (task, index), pieces in sorted(groups.items()):
+        program = trace_update(step.optimizer, task, None if index < 0 else index, pieces)
         if program is None:
             return None
         programs.append(program)
     return programs
 
 
-def trace_update(optimizer, task: int, pairs) -> "UpdateProgram | None":
-    """The update of ``pairs`` (variable, traced gradient) on ps task ``task``."""
-    variables = [v for v, _ in pairs]
-    grad_specs = [jax.ShapeDtypeStruct(jnp.shape(g), jnp.result_type(g)) for _, g in pairs]
+def trace_update(optimizer, task: int, index: "int | None", pieces) -> "UpdateProgram | None":
+    """The update on ps task ``task`` of ``pieces`` (variable, traced gradient, rows).
+
+    ``index`` is the shard of partitioned variables this update is for, or ``None``.
+    """
+    variables = [v for v, _, _ in pieces]
+    rows = [r for _, _, r in pieces]
+    grad_specs = [jax.ShapeDtypeStruct(_shape(v, index), jnp.result_type(g)) for v, g, _ in pieces]
     updated = {id(v) for v in variables}
     candidates = variables + [v for v in optimizer.variables if id(v) not in updated]
-    specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in candidates]
+    specs = [jax.ShapeDtypeStruct(_shape(v, index), v.dtype) for v in candidates]
     written_ids: list = []
 
     def probe(*flat):
@@ -146,13 +198,21 @@ def trace_update(optimizer, task: int, pairs) -> "UpdateProgram | None":
         written_ids[:] = [id(v) for v in candidates if id(v) in scope.assigned]
         return [scope.state_mapping[i] for i in written_ids]
 
-    closed = jax.make_jaxpr(probe)(*specs, *grad_specs)
+    with _as_shards(candidates, index):
+        closed = jax.make_jaxpr(probe)(*specs, *grad_specs)
     read = used_inputs(closed.jaxpr, len(candidates))
     touched = [v for n, v in enumerate(candidates) if n in read or id(v) in written_ids]
-    if any(_task(v) != task for v in touched if id(v) in written_ids):
+
+    def task_of(variable):
+        shard = _shard(variable, index)
+        return None if shard is None else shard.task
+
+    if any(task_of(v) != task for v in touched if id(v) in written_ids):
         return None  # a slot on another task: the update cannot be atomic there
-    held = [v for v in touched if _task(v) == task]
-    sent = [v for v in touched if _task(v) != task]
+    held = [v for v in touched if task_of(v) == task]
+    sent = [v for v in touched if task_of(v) != task]
+    if any(_shape(v, index) != tuple(v.shape) for v in sent):
+        return None  # a shard of another task's variable: not the worker's to send
     written = [n for n, v in enumerate(held) if id(v) in written_ids]
 
     def update(*flat):
@@ -166,13 +226,14 @@ def trace_update(optimizer, task: int, pairs) -> "UpdateProgram | None":
             jnp.asarray(scope.state_mapping[id(held[n])]).astype(held[n].dtype) for n in written
         ]
 
-    update_specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in held]
+    update_specs = [jax.ShapeDtypeStruct(_shape(v, index), v.dtype) for v in held]
     update_specs += grad_specs + [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in sent]
-    exported = jax.export.export(jax.jit(update), platforms=("cpu",))(*update_specs)
+    with _as_shards(candidates, index):
+        exported = jax.export.export(jax.jit(update), platforms=("cpu",))(*update_specs)
     blob = bytes(exported.serialize())
-    keys = "|".join(v.location.shards[0].key for v in held).encode()
-    update_id = hashlib.sha256(blob + keys).hexdigest()[:24]
-    return UpdateProgram(task, update_id, blob, held, written, variables, sent)
+    held_keys = [_shard(v, index).key for v in held]
+    update_id = hashlib.sha256(blob + "|".join(held_keys).encode()).hexdigest()[:24]
+    return UpdateProgram(task, update_id, blob, held_keys, written, variables, rows, sent)
 
 
 class LoadedUpdate:
