@@ -212,3 +212,106 @@ def test_spread_over_splits_batches_and_copies_the_rest():
     placed = spread_over(mesh, [weights, batch, ragged, index], range(1, 3))
     assert [p.sharding.spec for p in placed] == [P(), P("replica"), P(), P()]
     assert placed[1].addressable_shards[0].data.shape == (2, 3)
+
+
+# ------------------------------------ functions that use what their update changes
+def _one_variable(strategy, value, optimizer):
+    with strategy.scope():
+        w = keras.Variable(np.full(2, value, np.float32), name="w")
+        optimizer = optimizer()
+        optimizer.build([w])
+    return w, optimizer, kd.coordinator.ClusterCoordinator(strategy)
+
+
+def test_a_value_read_after_the_update_is_the_updated_one(two_workers_two_ps):
+    w, optimizer, coordinator = _one_variable(
+        kd.ParameterServerStrategy(two_workers_two_ps), 1.0, lambda: keras.optimizers.SGD(0.5)
+    )
+
+    def step():
+        optimizer.apply([w.value], [w])  # the gradient is the value itself
+        return w.value
+
+    np.testing.assert_allclose(coordinator.schedule(step).fetch(), [0.5, 0.5])
+    np.testing.assert_allclose(coordinator.schedule(step).fetch(), [0.25, 0.25])
+
+
+def test_a_learning_rate_set_in_the_step_is_the_one_used(two_workers_two_ps):
+    w, optimizer, coordinator = _one_variable(
+        kd.ParameterServerStrategy(two_workers_two_ps), 0.0, lambda: keras.optimizers.SGD(1.0)
+    )
+
+    def step():
+        optimizer.learning_rate.assign(0.1)  # a warm-up set inside the step
+        optimizer.apply([keras.ops.ones((2,))], [w])
+
+    coordinator.schedule(step)
+    coordinator.join()
+    np.testing.assert_allclose(w.numpy(), [-0.1, -0.1], rtol=1e-6)
+
+
+def test_one_optimizer_applied_twice_in_a_step_counts_both():
+    # The second update reads the first's results: both run in order, on the
+    # worker (one worker here, so the numbers are the sequential ones).
+    cluster = kd.testing.create_in_process_cluster(num_workers=1, num_ps=2)
+    w, optimizer, coordinator = _one_variable(
+        kd.ParameterServerStrategy(cluster), 1.0, lambda: keras.optimizers.Adam(0.1)
+    )
+    reference = keras.Variable(np.ones(2, np.float32))
+    expected_optimizer = keras.optimizers.Adam(0.1)
+
+    def step():
+        optimizer.apply([w.value], [w])
+        optimizer.apply([w.value], [w])
+
+    for _ in range(3):
+        coordinator.schedule(step)
+    coordinator.join()
+    for _ in range(6):
+        expected_optimizer.apply([reference.value], [reference])
+    assert int(optimizer.iterations.numpy()) == 6
+    np.testing.assert_allclose(w.numpy(), reference.numpy(), rtol=1e-5)
+
+
+def test_a_constrained_variable_stays_constrained_with_concurrent_workers(two_workers_two_ps):
+    strategy = kd.ParameterServerStrategy(two_workers_two_ps)
+    with strategy.scope():
+        layer = keras.layers.Dense(2, kernel_constraint="non_neg", use_bias=False)
+        layer.build((None, 1))
+        layer.kernel.assign(np.full((1, 2), 0.1, np.float32))
+        optimizer = keras.optimizers.SGD(1.0)
+        optimizer.build([layer.kernel])
+    coordinator = kd.coordinator.ClusterCoordinator(strategy)
+    matrix = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
+
+    def step(m):
+        x = m
+        for _ in range(20):  # long enough for both workers to read before either writes
+            x = keras.ops.tanh(x @ m)
+        optimizer.apply([keras.ops.ones((1, 2)) + 0.0 * keras.ops.sum(x)], [layer.kernel])
+
+    for _ in range(4):
+        coordinator.schedule(step, args=(matrix,))
+    coordinator.join()
+    np.testing.assert_array_equal(layer.kernel.numpy(), np.zeros((1, 2)))  # set, not summed
+
+
+def test_a_model_dropped_while_its_steps_are_queued_still_runs_them(two_workers_two_ps):
+    strategy = kd.ParameterServerStrategy(two_workers_two_ps)
+    coordinator = kd.coordinator.ClusterCoordinator(strategy)
+
+    def make_step():
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+            model.layers[0].kernel.assign(np.ones((4, 2), np.float32))
+
+        def step(x):
+            return keras.ops.sum(model(x))
+
+        return step
+
+    results = [coordinator.schedule(make_step(), args=(np.ones((8, 4), np.float32),))]
+    results += [coordinator.schedule(make_step(), args=(np.ones((8, 4), np.float32),))]
+    gc.collect()
+    coordinator.join()
+    assert [float(r.fetch()) for r in results] == [64.0, 64.0]

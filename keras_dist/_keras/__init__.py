@@ -40,7 +40,6 @@ from keras_dist._keras._variables import StrategyDistribution as StrategyDistrib
 from keras_dist._keras._variables import install_variable_hook
 from keras_dist._keras._variables import make_per_replica_statistic as make_per_replica_statistic
 from keras_dist._keras._variables import set_variable_class as set_variable_class
-from keras_dist._keras._variables import set_variable_shape as set_variable_shape
 from keras_dist._keras._variables import share_variable_state as share_variable_state
 from keras_dist._keras._variables import variable_has_value as variable_has_value
 

@@ -163,7 +163,6 @@ SYMBOLS = (
 ATTRIBUTES = (
     (KerasVariable, "__init__", "_value"),
     (KerasVariable, "__init__", "_layout"),
-    (KerasVariable, "__init__", "_shape"),
     (KerasVariable, "__init__", "_synchronization"),
     (KerasVariable, "__init__", "_aggregation"),
     (BaseOptimizer, "build", "_trainable_variables"),

@@ -114,8 +114,3 @@ def make_per_replica_statistic(variable) -> None:
 def variable_has_value(variable) -> bool:
     """Whether Keras has stored the variable's first value."""
     return getattr(variable, "_value", None) is not None
-
-
-def set_variable_shape(variable, shape) -> None:
-    """Sets the shape Keras checks assignments against (a shard's, while it is traced)."""
-    variable._shape = tuple(shape)

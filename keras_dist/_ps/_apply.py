@@ -22,7 +22,6 @@ updated each on its own task, as TF's optimizers update each shard of a
 ``ShardedVariable`` as a variable of its own.
 """
 
-import contextlib
 import hashlib
 from typing import NamedTuple
 
@@ -32,9 +31,9 @@ import jax.numpy as jnp
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import apply_update
 from keras_dist._keras import clip_gradients
-from keras_dist._keras import set_variable_shape
 from keras_dist._ps._trace import current_trace
 from keras_dist._ps._trace import used_inputs
+from keras_dist._ps._variable import shard_shapes
 
 
 class OptimizerStep(NamedTuple):
@@ -58,7 +57,8 @@ class UpdateProgram(NamedTuple):
     task: int
     update_id: str
     blob: bytes
-    held_keys: list  # keys of the values the task reads (and maybe writes)
+    held: list  # the variables whose values the task reads (and maybe writes)
+    held_keys: list  # their keys there (a shard's, for partitioned variables)
     written: list  # indices into held_keys
     variables: list  # the updated variables, in gradient order
     rows: list  # each variable's (start, stop) rows on this task, or None: all of it
@@ -102,33 +102,60 @@ def _shape(variable, index: "int | None") -> tuple:
     return (shard.rows, *variable.shape[1:])
 
 
-@contextlib.contextmanager
 def _as_shards(variables, index: "int | None"):
     """Gives partitioned ``variables`` their shard's shape while an update is traced.
 
     As TF's optimizers update each shard of a ``ShardedVariable`` as a
     variable of its own, the update of shard ``index`` is traced with the
     variable and its slots at that shard's shape (Keras checks the shapes of
-    what is assigned).
+    what is assigned), on this thread only.
     """
-    partitioned = [v for v in variables if _shape(v, index) != tuple(v.shape)]
-    saved = [tuple(v.shape) for v in partitioned]
-    try:
-        for v in partitioned:
-            set_variable_shape(v, _shape(v, index))
-        yield
-    finally:
-        for v, shape in zip(partitioned, saved):
-            set_variable_shape(v, shape)
+    return shard_shapes({id(v): _shape(v, index) for v in variables})
+
+
+class RoutingScope(RecordingScope):
+    """A scheduled function's scope: notes reads of what an update on the ps changes.
+
+    A value read after its update was taken for a ps task would be the value
+    before the update: the function is then traced again with its updates
+    made on the worker.
+    """
+
+    def __init__(self, mapping: dict):
+        super().__init__(mapping)
+        self.routed: set = set()  # ids of the variables and slots updated on the ps
+        self.read_after_routing = False
+
+    def get_current_value(self, variable):
+        if id(variable) in self.routed:
+            self.read_after_routing = True
+        return super().get_current_value(variable)
 
 
 class GradientRouter:
     """The ``routing_gradients`` handler of one trace: takes updates that can run on a ps."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, scope: RoutingScope):
         self.enabled = enabled
         self.steps: list = []
+        self._scope = scope
         self._trace_state = None
+
+    @property
+    def conflict(self) -> bool:
+        """Whether the function uses what its updates on the ps change (or updates twice).
+
+        It read a routed variable or slot after the update, or wrote one (the
+        learning rate, say) anywhere in the function, or applied one optimizer
+        twice: its updates must then run in order, on the worker.
+        """
+        scope = self._scope
+        optimizers = {id(step.optimizer) for step in self.steps}
+        return (
+            scope.read_after_routing
+            or bool(scope.routed & set(scope.assigned))
+            or len(optimizers) < len(self.steps)
+        )
 
     def start(self) -> None:
         """Called at the top of the traced function: updates in nested traces stay."""
@@ -140,11 +167,19 @@ class GradientRouter:
         if not on_ps or jax.extend.core.get_opaque_trace_state() != self._trace_state:
             trace = current_trace()
             if trace is not None:
-                trace.deltas.update(id(v) for v in [*variables, *optimizer.variables])
+                # Arithmetic updates add up as deltas; what is set (a constrained
+                # weight, the learning rate, a loss scale) is overwritten.
+                slots = [v for v in optimizer.variables if len(v.shape)]
+                added = [v for v in variables if v.constraint is None]
+                trace.deltas.update(id(v) for v in [*added, *slots])
             return False
         grads = clip_gradients(optimizer, grads)
         snapshot = {id(v): v.value for v in optimizer.variables}
         self.steps.append(OptimizerStep(optimizer, variables, list(grads), snapshot))
+        counter = id(optimizer.iterations)  # still counted here, as a delta
+        self._scope.routed.update(
+            id(v) for v in [*variables, *optimizer.variables] if id(v) != counter
+        )
         return True
 
 
@@ -233,7 +268,7 @@ def trace_update(optimizer, task: int, index: "int | None", pieces) -> "UpdatePr
     blob = bytes(exported.serialize())
     held_keys = [_shard(v, index).key for v in held]
     update_id = hashlib.sha256(blob + "|".join(held_keys).encode()).hexdigest()[:24]
-    return UpdateProgram(task, update_id, blob, held_keys, written, variables, rows, sent)
+    return UpdateProgram(task, update_id, blob, held, held_keys, written, variables, rows, sent)
 
 
 class LoadedUpdate:

@@ -30,9 +30,9 @@ import numpy as np
 
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
-from keras_dist._keras import RecordingScope
 from keras_dist._keras import routing_gradients
 from keras_dist._ps._apply import GradientRouter
+from keras_dist._ps._apply import RoutingScope
 from keras_dist._ps._apply import plan_updates
 from keras_dist._ps._per_worker import PerWorkerIterator
 from keras_dist._ps._per_worker import PerWorkerValues
@@ -52,6 +52,9 @@ class Program:
         self.program_id = f"program{next(_program_ids)}"
         self.blob = blob
         self._variables = [weakref.ref(v) for v in variables]
+        # What its runs read or write on the ps tasks: a call keeps them alive.
+        held = [v for u in updates for v in [*u.held, *u.sent]]
+        self._uses = [weakref.ref(v) for v in [*variables, *held]]
         self.locations = [v.location for v in variables]
         self.writes = writes  # [(index into variables, kind)]
         self.out_tree = out_tree
@@ -60,10 +63,10 @@ class Program:
         # [(ps task, update id, how many arrays the program returns for it)]
         self.updates = [(u.task, u.update_id, len(u.variables) + len(u.sent)) for u in updates]
 
-    @property
-    def alive(self) -> bool:
-        """Whether every variable it uses still exists (a freed one's id may come back)."""
-        return all(ref() is not None for ref in self._variables)
+    def used_variables(self) -> "list | None":
+        """The variables its runs use, or ``None`` once one was freed (its id may come back)."""
+        used = [ref() for ref in self._uses]
+        return None if any(v is None for v in used) else used
 
     def header(self) -> dict:
         """What a worker needs besides the serialized program."""
@@ -84,8 +87,11 @@ class Program:
 class Call:
     """One scheduled call: its program, array arguments and per-worker inputs."""
 
-    def __init__(self, program, args, per_worker_args, iterators, epoch=None):
+    def __init__(self, program, args, per_worker_args, iterators, epoch=None, keep=()):
         self.program = program
+        # The variables the program uses, held until the call has run: a model
+        # dropped while its steps are queued is freed on the ps tasks only after.
+        self.keep = keep
         self.epoch = epoch  # the coordinator's consistency epoch when scheduled
         self.args = args  # [(position, array)] the same for every worker
         self.per_worker_args = per_worker_args  # [(position, PerWorkerValues)]
@@ -142,10 +148,12 @@ class ProgramCache:
         key = (FunctionKey(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
         with self._lock:
             program = self._programs.get(key)
-            if program is None or not program.alive:
+            used = program.used_variables() if program is not None else None
+            if used is None:
                 program = self._trace(fn, leaves, treedef, dynamic, per_worker, iterators)
                 self._programs = {k: p for k, p in self._programs.items() if k[0].alive}
                 self._programs[key] = program
+                used = program.used_variables()
         # Positions in the program's argument list, in leaf order.
         order = sorted([i for i, _ in dynamic] + [i for i, _ in per_worker])
         rank = {leaf_index: n for n, leaf_index in enumerate(order)}
@@ -155,6 +163,7 @@ class ProgramCache:
             [(rank[i], v) for i, v in per_worker],
             [(it, count) for (_, it), count in zip(iterators, program.iterator_counts)],
             self._strategy.extended.consistency_epoch,
+            keep=used,
         )
 
     def _trace(self, fn, leaves, treedef, dynamic, per_worker, iterators) -> Program:
@@ -201,14 +210,10 @@ class ProgramCache:
                 for v in variables:
                     mapping.setdefault(id(v), jnp.zeros(v.shape, v.dtype))
                 trace = ProgramTrace(worker_index)
-                router = GradientRouter(enabled=route)
+                scope = RoutingScope(mapping)
+                router = GradientRouter(enabled=route, scope=scope)
                 router.start()
-                with (
-                    RecordingScope(mapping) as scope,
-                    tracing(trace),
-                    routing_gradients(router),
-                    strategy.scope(),
-                ):
+                with scope, tracing(trace), routing_gradients(router), strategy.scope():
                     out = fn(*args, **kwargs)
                 out_leaves, out_tree = jax.tree_util.tree_flatten(out)
                 writes, payloads = [], []
@@ -221,11 +226,16 @@ class ProgramCache:
                     payloads.append(new - old[id(v)] if kind == "add" else new)
                 for step_index, update in plan:
                     payloads += update.worker_values(router.steps[step_index])
+                if route and not plan:
+                    # The first trace: the gradients count as used (a gradient
+                    # may be a variable's value as it is).
+                    payloads += [g for step in router.steps for g in step.grads]
                 record.update(
                     out_tree=out_tree,
                     writes=writes,
                     counts=[t.taken for t in traced_iterators],
                     steps=router.steps,
+                    conflict=router.conflict,
                 )
                 return [jnp.asarray(x) for x in out_leaves] + payloads
 
@@ -246,9 +256,9 @@ class ProgramCache:
             closed = jax.make_jaxpr(pure)(*specs)
         plan = []
         for step_index, step in enumerate(record["steps"]):
-            updates = plan_updates(step)
+            updates = None if record["conflict"] else plan_updates(step)
             if updates is None:
-                # One update cannot run on the ps: every update runs here.
+                # An update cannot run on the ps: every update runs here.
                 plan = []
                 pure, specs = build(variables, counts, route=False)
                 closed = jax.make_jaxpr(pure)(*specs)

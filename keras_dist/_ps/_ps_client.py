@@ -11,6 +11,8 @@ task, sent to the tasks in parallel: a step costs one round trip per ps task.
 """
 
 import concurrent.futures
+import queue
+import threading
 import time
 from typing import NamedTuple
 
@@ -78,6 +80,9 @@ class ParameterServers:
             for i, address in enumerate(addresses)
         ]
         self.timeout = timeout
+        self._to_delete: queue.SimpleQueue = queue.SimpleQueue()
+        self._freeing = None
+        self._freeing_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max(1, len(self.clients)), thread_name_prefix="kd-ps-client"
         )
@@ -186,11 +191,31 @@ class ParameterServers:
         return values
 
     def delete_soon(self, location: Location) -> None:
-        """Frees a variable's shards in the background (a variable was collected)."""
-        try:
-            self._pool.submit(self.delete, location)
-        except RuntimeError:  # the pool is shut down: these clients are closed
-            pass
+        """Frees a variable's shards in the background (a variable was collected).
+
+        Called from a ``weakref.finalize`` callback, which may run inside any
+        code that allocates, holding any lock: it only puts the location in a
+        queue (no lock taken) for the thread ``start_freeing`` started.
+        """
+        self._to_delete.put(location)
+
+    def start_freeing(self) -> None:
+        """Starts the thread that frees collected variables (once)."""
+        with self._freeing_lock:
+            if self._freeing is None:
+                self._freeing = threading.Thread(
+                    target=self._free_loop, name="kd-ps-free", daemon=True
+                )
+                self._freeing.start()
+
+    def _free_loop(self) -> None:
+        while True:
+            location = self._to_delete.get()
+            # None: the clients are closed. Once the main thread has ended, the
+            # interpreter is exiting and in-process servers accept no requests.
+            if location is None or not threading.main_thread().is_alive():
+                return
+            self.delete(location)
 
     def delete(self, location: Location) -> None:
         """Frees a variable's shards (best effort: a lost task has lost them anyway)."""
@@ -201,6 +226,7 @@ class ParameterServers:
                 pass
 
     def close(self) -> None:
+        self._to_delete.put(None)
         for client in self.clients:
             client.close()
         self._pool.shutdown(wait=False)

@@ -95,19 +95,26 @@ class VariableStore:
     def _update(self, header, arrays):
         writes = header["writes"]
         with self._lock:
-            # Optimizer updates first: they read the iteration count before
-            # this step's increment, as Keras's ``apply`` does.
-            position = len(writes)
-            for update_id, count in header.get("updates", ()):
-                self._run_update(update_id, arrays[position : position + count])
-                position += count
+            # Everything is checked before anything changes: a request is
+            # applied whole or not at all.
             targets = [self._lookup(key) for key, _ in writes]
-            for (key, kind), target, value in zip(writes, targets, arrays):
+            for (key, _), target, value in zip(writes, targets, arrays):
                 if value.shape != target.shape:
                     raise errors.InvalidArgumentError(
                         f"A write to {key!r} on {self.task_name} has the wrong shape. "
                         f"Received: shape {value.shape}, variable shape {target.shape}"
                     )
+            updates = [(self._loaded_update(u), count) for u, count in header.get("updates", ())]
+            # Optimizer updates first: they read the iteration count before
+            # this step's increment, as Keras's ``apply`` does.
+            position = len(writes)
+            for update, count in updates:
+                held = [self._lookup(key) for key in update.held]
+                for key, value in update.run(held, arrays[position : position + count]):
+                    self._values[key] = value
+                position += count
+            for (key, kind), value in zip(writes, arrays):
+                target = self._values[key]  # as the updates left it
                 # New arrays, not in place: an optimizer update's results are
                 # read-only JAX arrays, and ``value`` is a view of the request.
                 if kind == "assign":
@@ -122,7 +129,7 @@ class VariableStore:
         # under the lock are a consistent snapshot, encoded without holding it.
         return _wire.encode({"version": version}, values)
 
-    def _run_update(self, update_id, arrays) -> None:
+    def _loaded_update(self, update_id) -> LoadedUpdate:
         update = self._updates.get(update_id)
         if update is None:
             raise errors.NotFoundError(
@@ -131,6 +138,6 @@ class VariableStore:
                 f"Received: update_id={update_id!r}",
                 (self.task_name,),
             )
-        held = [self._lookup(key) for key in update.held]
-        for key, value in update.run(held, arrays):
-            self._values[key] = value
+        for key in update.held:
+            self._lookup(key)
+        return update

@@ -11,7 +11,6 @@ grpcio's generic handlers pass the request through as bytes (no protobuf), so
 arrays travel as raw buffers.
 """
 
-import concurrent.futures
 import logging
 import threading
 
@@ -24,6 +23,7 @@ from keras_dist._ps._auth import check_token
 from keras_dist._ps._auth import cluster_token
 from keras_dist._ps._auth import tls_channel_credentials
 from keras_dist._ps._auth import tls_server_credentials
+from keras_dist._ps._threads import DaemonThreadPool
 
 logger = logging.getLogger("keras_dist.ps")
 
@@ -121,9 +121,7 @@ class RpcServer:
 
     def start(self) -> None:
         """Binds ``address`` and starts serving."""
-        executor = concurrent.futures.ThreadPoolExecutor(
-            self._threads, thread_name_prefix=f"kd-{self.name}"
-        )
+        executor = DaemonThreadPool(self._threads, f"kd-{self.name}")
         server = grpc.server(executor, options=_SERVER_OPTIONS)
         method = grpc.unary_unary_rpc_method_handler(self._call)
         server.add_generic_rpc_handlers(

@@ -10,6 +10,8 @@ scope maps it), and writes are recorded with their kind: an ``assign_add`` is
 sent as a delta that the ps adds atomically, so concurrent workers compose.
 """
 
+import contextlib
+import threading
 import weakref
 
 import jax.numpy as jnp
@@ -25,12 +27,34 @@ from keras_dist._ps._trace import current_trace
 from keras_dist._values._variables import DistributedVariable
 
 
+class _ShardShapes(threading.local):
+    def __init__(self):
+        self.shapes: dict = {}  # id(variable) -> the shape this thread sees
+
+
+_shard_shapes = _ShardShapes()
+
+
+@contextlib.contextmanager
+def shard_shapes(shapes: dict):
+    """On this thread only, variables ``id -> shape`` have a shard's shape (tracing its update)."""
+    previous, _shard_shapes.shapes = _shard_shapes.shapes, {**_shard_shapes.shapes, **shapes}
+    try:
+        yield
+    finally:
+        _shard_shapes.shapes = previous
+
+
 class PSVariable(DistributedVariable):
     """A variable stored on parameter-server tasks (``ParameterServerStrategy``).
 
     ``device`` names the ps task holding it; a partitioned variable's
     ``variables`` are its shards.
     """
+
+    @property
+    def shape(self):
+        return _shard_shapes.shapes.get(id(self)) or KerasVariable.shape.fget(self)
 
     def bind(self, location, servers, *, if_absent: bool = False) -> None:
         """Gives the variable its place on the ps tasks (the strategy's policy calls this)."""
@@ -41,6 +65,7 @@ class PSVariable(DistributedVariable):
         if not if_absent:
             # The ps tasks free the value once nothing here holds the variable.
             # (Between-graph workers share their variables: none frees them.)
+            servers.start_freeing()
             free = weakref.finalize(self, servers.delete_soon, location)
             free.atexit = False
 

@@ -59,10 +59,7 @@ class WorkerThread:
             closures = self._queue.get_many(0.5, RUNS_PER_REQUEST, self._num_workers)
             if not closures:
                 continue
-            try:
-                values, error = self._run_many([closure.call for closure in closures])
-            except Exception as bug:  # noqa: BLE001 - a coordinator bug; reported, not hung
-                values, error = [], bug
+            values, error = self._run_many([closure.call for closure in closures])
             # The queue sets each value, or the cancellation of an error that
             # came while the closure ran, under its lock.
             for closure, value in zip(closures, values):
@@ -110,7 +107,7 @@ class WorkerThread:
         while len(values) < len(calls):
             try:
                 done, error = self._request(calls[len(values) :])
-            except errors.OpError as lost:
+            except Exception as lost:  # noqa: BLE001 - a lost worker, or a coordinator bug
                 return values, lost
             values += done
             if error is None:
@@ -129,11 +126,17 @@ class WorkerThread:
 
     def _request(self, calls) -> tuple:
         """Runs ``calls`` on the worker in one request; ``(values, error)`` as ``_run_many``."""
-        try:
-            for call in calls:
+        ready, failure = [], None
+        for call in calls:
+            try:
                 self._ensure(call)
-        except Exception as error:  # noqa: BLE001 - the first call's failure
-            return [], error
+            except Exception as error:  # noqa: BLE001 - this call's failure: those before run
+                failure = error
+                break
+            ready.append(call)
+        if not ready:
+            return [], failure
+        calls = ready
         headers, arrays = [], []
         for call in calls:
             arguments = call.arrays_for(self.index)
@@ -154,13 +157,12 @@ class WorkerThread:
         for call, count in zip(calls, reply["counts"]):
             values.append(call.program.results(results[position : position + count]))
             position += count
-        error = None
         if reply["failed"] is not None:
             try:
                 raise_if_error(reply["failed"])
-            except errors.OpError as failure:
-                error = failure
-        return values, error
+            except errors.OpError as error:
+                return values, error
+        return values, failure
 
     def _ensure(self, call) -> None:
         program = call.program

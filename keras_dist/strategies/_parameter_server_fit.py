@@ -31,22 +31,24 @@ from keras_dist.coordinator import ClusterCoordinator
 from keras_dist.strategies._parameter_server_data import FromWorkers
 
 
-def _as_deltas(variables, values):
-    """Writes Keras's new state as increments, so concurrent workers' steps compose.
+def _write_state(groups, old_state, new_state) -> None:
+    """Writes Keras's new state: increments, so concurrent workers' steps compose.
 
-    A value Keras left as it was is not written: the variables an optimizer
-    updates on the ps tasks come back unchanged, and their update is sent as
-    gradients instead.
+    A value Keras left as it was is not written (nor read again: the
+    variables an optimizer updates on the ps tasks come back unchanged, and
+    their update is sent as gradients instead). Statistics of non-trainable
+    layers (batch norm) are overwritten.
     """
-    for variable, value in zip(variables, values):
-        if value is not variable.value:
-            variable.assign_add(value - variable.value)
-
-
-def _assign(variables, values):
-    for variable, value in zip(variables, values):
-        if value is not variable.value:
-            variable.assign(value)
+    for variables, old, new, kind in zip(
+        groups, old_state, new_state, ("add", "set", "add", "add")
+    ):
+        for variable, before, after in zip(variables, old, new):
+            if after is before:
+                continue
+            if kind == "set":
+                variable.assign(after)
+            else:
+                variable.assign_add(after - before)
 
 
 def _from_workers(batch) -> bool:
@@ -138,10 +140,13 @@ class ParameterServerSteps:
         model = self.model
         state = step_state(model, "train")
         logs, new_state = model.train_step(state, data)
-        _as_deltas(model.trainable_variables, new_state[0])
-        _assign(model.non_trainable_variables, new_state[1])
-        _as_deltas(model.optimizer.variables, new_state[2])
-        _as_deltas(model.metrics_variables, new_state[3])
+        groups = (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+        _write_state(groups, state, new_state)
         return logs
 
     def _train_step_on_worker_data(self, iterator):
@@ -154,7 +159,7 @@ class ParameterServerSteps:
         model = self.model
         state = step_state(model, "test")
         logs, new_state = model.test_step(state, data)
-        _as_deltas(model.metrics_variables, new_state[2])
+        _write_state((model.metrics_variables,), state[2:], new_state[2:])
         return logs
 
     def _predict_step(self, data):
