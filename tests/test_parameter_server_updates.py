@@ -10,6 +10,7 @@ overwrites another's), so these numbers fail there.
 
 import gc
 import time
+import weakref
 
 import jax
 import keras
@@ -315,3 +316,22 @@ def test_a_model_dropped_while_its_steps_are_queued_still_runs_them(two_workers_
     gc.collect()
     coordinator.join()
     assert [float(r.fetch()) for r in results] == [64.0, 64.0]
+
+
+def test_variables_of_finished_steps_are_not_kept_alive(two_workers_two_ps):
+    strategy = kd.ParameterServerStrategy(two_workers_two_ps)
+    coordinator = kd.coordinator.ClusterCoordinator(strategy)
+
+    def train_and_drop():
+        with strategy.scope():
+            w = keras.Variable(np.ones(2, np.float32))
+        coordinator.schedule(lambda: w.assign_add(keras.ops.ones((2,))))
+        coordinator.join()
+        return weakref.ref(w)
+
+    collected = train_and_drop()
+    deadline = time.monotonic() + 10
+    while collected() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.1)
+    assert collected() is None  # nothing of the finished step holds it

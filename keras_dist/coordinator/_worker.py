@@ -56,9 +56,13 @@ class WorkerThread:
 
     def _loop(self) -> None:
         while self._alive() and not self._queue.stopped:
-            closures = self._queue.get_many(0.5, RUNS_PER_REQUEST, self._num_workers)
-            if not closures:
-                continue
+            self._run_next()
+
+    def _run_next(self) -> None:
+        # A method of its own: while the thread waits for the next closures, it
+        # holds nothing of the last ones (a call keeps its variables alive).
+        closures = self._queue.get_many(0.5, RUNS_PER_REQUEST, self._num_workers)
+        if closures:
             values, error = self._run_many([closure.call for closure in closures])
             # The queue sets each value, or the cancellation of an error that
             # came while the closure ran, under its lock.
