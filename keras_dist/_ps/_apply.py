@@ -17,9 +17,12 @@ learning rate) are the worker's, as on TF's parameter servers. An update
 that cannot run on one task runs on the worker, its writes sent as deltas so
 that concurrent workers' slot updates add up: one with slots on another
 task, gradient accumulation, EMA or constraints, or one inside ``cond``
-(Keras's ``LossScaleOptimizer``). A partitioned variable's shards are
-updated each on its own task, as TF's optimizers update each shard of a
-``ShardedVariable`` as a variable of its own.
+(Keras's ``LossScaleOptimizer``). So does every update of a function that
+reads an updated variable after the update, writes one (the learning rate,
+say), or applies one optimizer twice: those need the updates in program
+order. A partitioned variable's shards are updated each on its own task, as
+TF's optimizers update each shard of a ``ShardedVariable`` as a variable of
+its own.
 """
 
 import hashlib
