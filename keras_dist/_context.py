@@ -18,6 +18,8 @@ from typing import Any
 
 import keras
 
+from keras_dist._thread_state import set_for_block
+
 
 @dataclasses.dataclass(frozen=True)
 class Frame:
@@ -86,14 +88,9 @@ def current_function_trace():
     return _state.function_trace
 
 
-@contextlib.contextmanager
 def function_trace(trace):
     """Marks the body as the trace of a ``kd.function``; restores the previous one after."""
-    previous, _state.function_trace = _state.function_trace, trace
-    try:
-        yield trace
-    finally:
-        _state.function_trace = previous
+    return set_for_block(_state, "function_trace", trace)
 
 
 def get_strategy():

@@ -73,18 +73,24 @@ def _busy_increment(counter):
     return kd.coordinator.experimental_get_current_worker_index(), jnp.sum(x)
 
 
+def _counting_run(cluster, n, started):
+    """A coordinator with ``n`` busy increments scheduled, once ``started`` of them ran."""
+    strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
+    coordinator = ClusterCoordinator(strategy)
+    with strategy.scope():
+        counter = keras.Variable(0.0)
+    for _ in range(n):
+        coordinator.schedule(_busy_increment, args=(counter,))
+    deadline = time.monotonic() + 60
+    while float(counter.numpy()) < started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return coordinator, counter
+
+
 def test_killed_worker_loses_nothing_and_rejoins(cluster):
     with _logs_on_failure(cluster):
-        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
-        coordinator = ClusterCoordinator(strategy)
-        with strategy.scope():
-            counter = keras.Variable(0.0)
         n = 40
-        for _ in range(n):
-            coordinator.schedule(_busy_increment, args=(counter,))
-        deadline = time.monotonic() + 60
-        while float(counter.numpy()) < 5 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        coordinator, counter = _counting_run(cluster, n, started=5)
         cluster.kill_task("worker", 0)
         coordinator.join()
         # At most the killed worker's closures in flight (one request's) may have
@@ -110,16 +116,8 @@ def test_killed_worker_loses_nothing_and_rejoins(cluster):
 def test_both_workers_preempted_mid_training(cluster):
     # Spec 80: every worker preempted while closures run; once they are back, all 10 ran.
     with _logs_on_failure(cluster):
-        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
-        coordinator = ClusterCoordinator(strategy)
-        with strategy.scope():
-            counter = keras.Variable(0.0)
         n = 10
-        for _ in range(n):
-            coordinator.schedule(_busy_increment, args=(counter,))
-        deadline = time.monotonic() + 60
-        while float(counter.numpy()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        coordinator, counter = _counting_run(cluster, n, started=2)
         cluster.kill_task("worker", 0)
         cluster.kill_task("worker", 1)
         assert not coordinator.done()

@@ -11,7 +11,6 @@ and ``apply_update`` is the update itself, run later on the ps task. Slots are
 made beside their variable (``slot_reference`` says which one).
 """
 
-import contextlib
 import functools
 import threading
 
@@ -22,6 +21,7 @@ from keras_dist._keras._internals import JaxOptimizer
 from keras_dist._keras._internals import LossScaleOptimizer
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import running_replica_context
+from keras_dist._thread_state import set_for_block
 
 _original_apply = BaseOptimizer.apply
 _original_backend_apply = JaxOptimizer._backend_apply_gradients
@@ -71,17 +71,13 @@ def _install_gradient_routing() -> None:
 
     @functools.wraps(_original_add_from_reference)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        previous, _routing.reference = _routing.reference, reference_variable
-        try:
+        with set_for_block(_routing, "reference", reference_variable):
             return _original_add_from_reference(self, reference_variable, *args, **kwargs)
-        finally:
-            _routing.reference = previous
 
     JaxOptimizer._backend_apply_gradients = _backend_apply_gradients
     BaseOptimizer.add_variable_from_reference = add_variable_from_reference
 
 
-@contextlib.contextmanager
 def routing_gradients(handler):
     """Offers every optimizer update on this thread to ``handler`` first.
 
@@ -89,11 +85,7 @@ def routing_gradients(handler):
     gradients: the optimizer then updates nothing here (its iteration counter
     still counts the step). It returns False to let the update run as usual.
     """
-    previous, _routing.handler = _routing.handler, handler
-    try:
-        yield
-    finally:
-        _routing.handler = previous
+    return set_for_block(_routing, "handler", handler)
 
 
 def slot_reference():

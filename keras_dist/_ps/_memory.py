@@ -10,9 +10,10 @@ fault per 4 KiB page, zeroed by the kernel). Measured here on an MLP of
 """
 
 import ctypes
-import json
 import os
 import sys
+
+from keras_dist.cluster_resolver import TFConfigClusterResolver
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -20,11 +21,11 @@ _M_MMAP_THRESHOLD = -3
 
 def is_own_task(job_name: str, task_index: int) -> bool:
     """Whether ``TF_CONFIG`` says this process is that task (not an in-process cluster)."""
+    resolver = TFConfigClusterResolver()
     try:
-        task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
-    except ValueError:
+        return resolver.task_type == job_name and resolver.task_id == task_index
+    except ValueError:  # TF_CONFIG that is not JSON: the server's own checks report it
         return False
-    return task.get("type") == job_name and int(task.get("index", -1)) == task_index
 
 
 def keep_freed_buffers() -> bool:

@@ -8,8 +8,9 @@ and ``assign_sub`` compose across workers, ``assign`` overwrites), counts
 ``next()`` calls on per-worker iterators, and stands for the worker's index.
 """
 
-import contextlib
 import threading
+
+from keras_dist._thread_state import set_for_block
 
 
 class ProgramTrace:
@@ -43,23 +44,14 @@ def current_trace() -> "ProgramTrace | None":
     return _state.trace
 
 
-@contextlib.contextmanager
 def tracing(trace: ProgramTrace):
-    previous, _state.trace = _state.trace, trace
-    try:
-        yield trace
-    finally:
-        _state.trace = previous
+    """Marks the block as the trace of a scheduled function."""
+    return set_for_block(_state, "trace", trace)
 
 
-@contextlib.contextmanager
 def on_worker(worker_index: int):
     """Marks code running on worker ``worker_index`` (its dataset function)."""
-    previous, _state.worker_index = _state.worker_index, worker_index
-    try:
-        yield
-    finally:
-        _state.worker_index = previous
+    return set_for_block(_state, "worker_index", worker_index)
 
 
 def current_worker_index():

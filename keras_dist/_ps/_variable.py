@@ -10,7 +10,6 @@ scope maps it), and writes are recorded with their kind: an ``assign_add`` is
 sent as a delta that the ps adds atomically, so concurrent workers compose.
 """
 
-import contextlib
 import threading
 import weakref
 
@@ -24,6 +23,7 @@ from keras_dist._keras import current_scope
 from keras_dist._ps._ps_client import ps_device
 from keras_dist._ps._sharded import ShardedVariable
 from keras_dist._ps._trace import current_trace
+from keras_dist._thread_state import set_for_block
 from keras_dist._values._variables import DistributedVariable
 
 
@@ -35,14 +35,9 @@ class _ShardShapes(threading.local):
 _shard_shapes = _ShardShapes()
 
 
-@contextlib.contextmanager
 def shard_shapes(shapes: dict):
     """On this thread only, variables ``id -> shape`` have a shard's shape (tracing its update)."""
-    previous, _shard_shapes.shapes = _shard_shapes.shapes, {**_shard_shapes.shapes, **shapes}
-    try:
-        yield
-    finally:
-        _shard_shapes.shapes = previous
+    return set_for_block(_shard_shapes, "shapes", {**_shard_shapes.shapes, **shapes})
 
 
 class PSVariable(DistributedVariable):
