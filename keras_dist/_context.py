@@ -83,6 +83,24 @@ def push(frame: Frame):
         keras.distribution.set_distribution(previous_distribution)
 
 
+def keras_distribution():
+    """Keras's current distribution, put back first where Keras's state was cleared in a scope.
+
+    ``keras.backend.clear_session()`` replaces Keras's per-thread state, the current
+    distribution with it, while our frames (and so the scope the user is in) stay: the
+    scope's distribution is set again the first time anything asks for it, so the
+    next model's variables are the strategy's again (TF's ``clear_session`` drops the
+    scope instead).
+    """
+    distribution = keras.distribution.distribution()
+    stack = _state.stack
+    if distribution is None and stack:
+        distribution = stack[-1].strategy.extended.keras_distribution
+        if distribution is not None:
+            keras.distribution.set_distribution(distribution)
+    return distribution
+
+
 def current_function_trace():
     """The ``kd.function`` trace this thread is in (``strategy.run`` joins it), or ``None``."""
     return _state.function_trace

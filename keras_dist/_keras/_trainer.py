@@ -17,7 +17,6 @@ from keras_dist import _context
 from keras_dist._keras._internals import JAXEpochIterator
 from keras_dist._keras._internals import JAXTrainer
 from keras_dist._keras._internals import Trainer
-from keras_dist._keras._internals import global_state
 from keras_dist._keras._variables import is_strategy_distribution
 
 _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
@@ -52,7 +51,7 @@ class TrainingIntegration(Protocol):
 
 
 def _in_strategy() -> bool:
-    return is_strategy_distribution(global_state.get_global_attribute("distribution"))
+    return is_strategy_distribution(_context.keras_distribution())
 
 
 def _wrap_loop(original, training):

@@ -11,9 +11,9 @@ layout), so ``install_variable_hook`` makes Keras ask in that case too.
 
 import functools
 
+from keras_dist import _context
 from keras_dist._keras._internals import Distribution
 from keras_dist._keras._internals import JaxVariable
-from keras_dist._keras._internals import global_state
 
 # Keras's own methods, before the hook replaces them.
 _original_initialize_layout = JaxVariable._initialize_layout
@@ -77,7 +77,7 @@ def install_variable_hook() -> None:
 
     @functools.wraps(_original_initialize_layout)
     def _initialize_layout(self):
-        distribution = global_state.get_global_attribute("distribution")
+        distribution = _context.keras_distribution()
         if isinstance(distribution, StrategyDistribution):
             self._layout = distribution.get_variable_layout(self)
         else:

@@ -1,0 +1,126 @@
+"""Keras's own tests, plain and under each strategy, as one table.
+
+    python tests/keras_suite/run.py                      # every folder, every strategy
+    python tests/keras_suite/run.py --folders trainers callbacks --strategies mirrored
+
+Each strategy runs in its own pytest process (4 simulated CPU devices) over Keras's test
+files for the installed Keras version (``keras_sources.py`` fetches them). A test counts
+against a strategy when it passes plain and fails under the strategy; such a test is
+either on the reviewed list (``known_differences.py``, each entry with its reason) or it
+is a bug. With ``--strategies`` not naming ``plain``, only the tests that fail under a
+strategy are run plain, to tell a bug from a test that fails anyway.
+
+Exit status 1 when a test counts against a strategy and is not on the reviewed list, or
+when a reviewed entry no longer fails (the list stays short and true).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from keras_sources import SUITE_FOLDERS  # noqa: E402
+from keras_sources import keras_version  # noqa: E402
+from keras_sources import test_sources  # noqa: E402
+from known_differences import KNOWN_DIFFERENCES  # noqa: E402
+from strategy_plugin import STRATEGIES  # noqa: E402
+
+PER_PROCESS_TIMEOUT_S = 3600
+
+
+def run_pytest(strategy: str, sources: pathlib.Path, targets: list[str]) -> dict[str, str]:
+    """Outcome by test id (relative to ``sources``) of one pytest process."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = pathlib.Path(scratch) / "outcomes.json"
+        env = dict(os.environ)
+        env.update(
+            KERAS_DIST_SUITE_STRATEGY=strategy,
+            KERAS_DIST_SUITE_REPORT=str(report),
+            PYTHONPATH=os.pathsep.join([str(HERE), str(sources), env.get("PYTHONPATH", "")]),
+        )
+        # Without a GPU and TF, JAX's and TF's device probes only slow each process down.
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        command = [
+            sys.executable, "-m", "pytest", "-p", "strategy_plugin", "-p", "no:cacheprovider",
+            "--import-mode=importlib", "-q", "--no-header", "-o", "console_output_style=classic",
+            "--timeout=600", "--continue-on-collection-errors", *targets,
+        ]
+        print(f"[{strategy}] {len(targets)} target(s)", flush=True)
+        completed = subprocess.run(
+            command, cwd=sources, env=env, timeout=PER_PROCESS_TIMEOUT_S,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        if not report.exists():
+            raise RuntimeError(
+                f"pytest under {strategy!r} wrote no report (exit {completed.returncode}):\n"
+                + completed.stdout[-5000:]
+            )
+        log = HERE / f".last_{strategy}.log"
+        log.write_text(completed.stdout)
+        return json.loads(report.read_text())
+
+
+def compare(
+    plain: dict[str, str], under: dict[str, str], strategy: str
+) -> tuple[list[str], list[str], list[str]]:
+    """(reviewed differences, unexplained failures, stale reviewed entries) for one strategy."""
+    regressions = sorted(
+        test for test, outcome in under.items()
+        if outcome == "failed" and plain.get(test) == "passed"
+    )
+    reviewed = [t for t in regressions if strategy in KNOWN_DIFFERENCES.get(t, ((), ""))[0]]
+    unexplained = [t for t in regressions if t not in reviewed]
+    stale = sorted(
+        test for test, (strategies, _) in KNOWN_DIFFERENCES.items()
+        if strategy in strategies and under.get(test) == "passed"
+    )
+    return reviewed, unexplained, stale
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folders", nargs="+", default=list(SUITE_FOLDERS), choices=SUITE_FOLDERS)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument("--json", type=pathlib.Path, help="write every outcome here")
+    args = parser.parse_args(argv)
+
+    sources = test_sources()
+    strategies = [s for s in args.strategies if s != "plain"]
+    outcomes = {s: run_pytest(s, sources, args.folders) for s in strategies}
+    if "plain" in args.strategies:
+        plain = run_pytest("plain", sources, args.folders)
+    else:
+        failing = sorted({t for o in outcomes.values() for t, r in o.items() if r == "failed"})
+        plain = run_pytest("plain", sources, failing) if failing else {}
+
+    print(f"\nKeras {keras_version()}'s tests of {', '.join(args.folders)}")
+    if "plain" in args.strategies:
+        counts = {r: sum(1 for o in plain.values() if o == r) for r in ("passed", "failed", "skipped")}
+        print(f"plain: {counts['passed']} passed, {counts['failed']} failed, "
+              f"{counts['skipped']} skipped")
+    print(f"{'strategy':<12} {'fail (pass plain)':>18} {'reviewed':>9} {'unexplained':>12}")
+    status = 0
+    for strategy in strategies:
+        reviewed, unexplained, stale = compare(plain, outcomes[strategy], strategy)
+        print(f"{strategy:<12} {len(reviewed) + len(unexplained):>18} {len(reviewed):>9} "
+              f"{len(unexplained):>12}")
+        for test in unexplained:
+            print(f"  FAILS UNDER {strategy}: {test}")
+        for test in stale:
+            print(f"  REVIEWED ENTRY PASSES NOW under {strategy}, remove it: {test}")
+        status |= bool(unexplained or stale)
+    if args.json:
+        args.json.write_text(json.dumps({"plain": plain, **outcomes}, indent=1, sort_keys=True))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
