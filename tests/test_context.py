@@ -375,3 +375,39 @@ def test_input_context_defaults():
     ctx = kd.InputContext()
     assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, 1)
     assert ctx.get_per_replica_batch_size(5) == 5
+
+
+def test_clear_session_inside_a_scope_keeps_the_scope():
+    # Keras's TestCase.setUp and many notebooks call clear_session() with a scope open.
+    strategy = kd.MirroredStrategy(cpus(4))
+    x = np.arange(30, dtype="float32").reshape(10, 3) / 30
+    y = x.sum(axis=1, keepdims=True)
+    with strategy.scope():
+        keras.backend.clear_session()
+        assert kd.get_strategy() is strategy
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        assert isinstance(model.layers[0].kernel, kd.MirroredVariable)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        keras.backend.clear_session()
+        # 10 rows in batches of 4: the last batch (2 rows) is partial on 4 replicas.
+        history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    assert not kd.has_strategy()
+    assert keras.distribution.distribution() is None
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        keras.backend.clear_session()
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+    keras.utils.set_random_seed(0)
+    keras.backend.clear_session()
+    reference = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    # Compiled outside the scope: a model created in one compiles in it, as in tf.keras.
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    losses = model.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False).history["loss"]
+    expected = reference.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False)
+    np.testing.assert_allclose(losses, expected.history["loss"], rtol=1e-5)
+    assert model.metrics_variables
+    assert all(isinstance(v, kd.SyncOnReadVariable) for v in model.metrics_variables)
+    assert np.isfinite(history.history["loss"]).all()

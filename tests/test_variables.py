@@ -503,18 +503,32 @@ def test_sync_on_read_none_cross_replica_read_raises(n):
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("kind", ["assign_add", "assign_sub"])
-def test_sync_on_read_sum_add_sub_cross_replica_raises(n, kind):
+@pytest.mark.parametrize("kind, sign", [("assign_add", 1.0), ("assign_sub", -1.0)])
+def test_sync_on_read_sum_add_sub_cross_replica_moves_the_total(n, kind, sign):
+    # TF raises here; Keras 3 updates metric totals outside any replica, so the first
+    # replica's component takes the change and the total is one device's (docs/differences.md).
     strategy = _strategy(n)
-    v = _on_read(strategy, 0.0, "sum")
+    v = _on_read(strategy, 2.0 * n, "sum")
     with strategy.scope():
-        with pytest.raises(
-            ValueError,
-            match=f"SyncOnReadVariable does not support `{kind}` in cross-replica context "
-            "when aggregation is set to `tf.VariableAggregation.SUM`.",
-        ):
-            getattr(v, kind)(1.0)
-    assert _components(v) == [0.0] * n
+        v.assign(2.0 * n)
+        getattr(v, kind)(3.0)
+    assert float(v.value) == 2.0 * n + sign * 3.0
+    assert _components(v) == [2.0 + sign * 3.0] + [2.0] * (n - 1)
+
+
+def test_metric_updated_outside_fit_matches_one_device():
+    y_true = np.array([[1.0], [2.0], [3.0]])
+    y_pred = np.array([[1.5], [2.0], [2.0]])
+    plain = keras.metrics.MeanSquaredError()
+    plain.update_state(y_true, y_pred)
+    strategy = _strategy(4)
+    with strategy.scope():
+        metric = keras.metrics.MeanSquaredError()
+    metric.update_state(y_true, y_pred)
+    metric.update_state(y_true, y_pred)
+    plain.update_state(y_true, y_pred)
+    assert float(metric.result()) == pytest.approx(float(plain.result()), abs=1e-7)
+    assert float(metric.result()) == pytest.approx(1.25 / 3, abs=1e-7)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

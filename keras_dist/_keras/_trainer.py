@@ -213,12 +213,19 @@ def _wrap_get_metrics_result(original):
     return get_metrics_result
 
 
-def _wrap_compile(original):
+def _wrap_compile(original, training):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
         if _context.has_strategy():
             object.__setattr__(self, "_keras_dist_strategy", _context.get_strategy())
-        return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
+        strategy = training.model_strategy(self)
+        if strategy is None:
+            return original(self, *args, **kwargs)
+        # As tf.keras: a model created in a scope compiles in it, so the optimizer and
+        # the metrics are the strategy's wherever `compile` is called.
+        with strategy.scope():
+            return original(self, *args, **kwargs)
 
     return compile
 
@@ -244,4 +251,4 @@ def install_trainer_hook(training: TrainingIntegration) -> None:
         JAXEpochIterator._enumerate_iterator
     )
     Trainer.get_metrics_result = _wrap_get_metrics_result(Trainer.get_metrics_result)
-    Trainer.compile = _wrap_compile(Trainer.compile)
+    Trainer.compile = _wrap_compile(Trainer.compile, training)

@@ -282,15 +282,11 @@ class SyncOnReadVariable(DistributedVariable):
             return self._distribute_strategy.extended.update(
                 self, lambda v, x: getattr(v, kind)(x), args=(value,)
             )
-        if self.aggregation == "sum" and kind != "assign":
-            raise ValueError(
-                f"SyncOnReadVariable does not support `{kind}` in cross-replica "
-                "context when aggregation is set to `tf.VariableAggregation.SUM`. "
-                f"Assign the total with `assign` instead. Received: variable={self.path!r}"
-            )
+        local = self.scope_value() if frame.engine is not None else None
+        if self.aggregation == "sum" and kind != "assign" and local is None:
+            return self._add_to_total(kind, value)
         if self.aggregation == "sum":
             value = jnp.asarray(value, self.dtype) / self._distribute_strategy.num_replicas_in_sync
-        local = self.scope_value() if frame.engine is not None else None
         if local is not None and kind != "assign" and frame.engine.holds_replica_copies:
             # An uneven step's merge holds every replica's component: each adds to its own.
             copies = PerReplica((value,) * self._distribute_strategy.extended.num_local_replicas)
@@ -312,6 +308,22 @@ class SyncOnReadVariable(DistributedVariable):
                 c + sign * jnp.asarray(value, self.dtype) for c in self.local_components()
             ]
             self._set_components(components)
+        return value
+
+    def _add_to_total(self, kind, value):
+        """Cross-replica ``assign_add``/``assign_sub`` of a SUM variable: the total moves by ``value``.
+
+        TF raises here ("does not support `assign_add` in cross-replica context when
+        aggregation is set to SUM"), but Keras 3 updates metrics (SUM totals) outside
+        any replica, e.g. ``metric.update_state`` after ``predict``, and has no replica
+        context to go to. The first replica's component takes the whole change, so the
+        aggregated value is exactly one device's; on several workers, the worker that holds
+        replica 0 (every worker runs the same cross-replica code).
+        """
+        extended = self._distribute_strategy.extended
+        delta = jnp.asarray(value, self.dtype)
+        if extended.first_local_replica_id == 0:
+            self.write_component(0, kind, delta)
         return value
 
     _write_lock = threading.Lock()
