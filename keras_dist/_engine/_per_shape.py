@@ -108,7 +108,9 @@ class PerShapeSteps:
 
     def test(self, split):
         model = self.model
-        test_step = self._jit("test", model.test_step)
+        # Not ``model.test_step`` itself: JAX's trace cache takes two bound methods of one
+        # model as the same function, and a recompiled model's metrics are new.
+        test_step = self._jit("test", lambda state, data: model.test_step(state, data))
         for index in range(self.extended.num_local_replicas):
             state = (
                 self._values(model.trainable_variables, index),

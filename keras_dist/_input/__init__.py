@@ -8,5 +8,6 @@ from keras_dist._input._options import InputContext as InputContext
 from keras_dist._input._options import InputOptions as InputOptions
 from keras_dist._input._options import InputReplicationMode as InputReplicationMode
 from keras_dist._input._prefetch import Prefetch as Prefetch
+from keras_dist._input._sparse import densify as densify
 from keras_dist._input._split import GlobalBatchSplitter as GlobalBatchSplitter
 from keras_dist._input._split import batch_rows as batch_rows

@@ -38,6 +38,7 @@ SUPPORTED_KERAS = ">=3.15,<3.16"
 
 KerasVariable = common_variables.Variable
 JAXTrainer = jax_trainer.JAXTrainer
+jax_trainer_module = jax_trainer
 JAXEpochIterator = jax_trainer.JAXEpochIterator
 Trainer = base_trainer.Trainer
 BaseOptimizer = base_optimizer.BaseOptimizer
@@ -66,6 +67,7 @@ __all__ = [
     "get_stateless_scope",
     "global_state",
     "initialize_all_variables",
+    "jax_trainer_module",
     "loss_module",
     "saving_lib",
     "unpack_x_y_sample_weight",
@@ -111,10 +113,12 @@ SYMBOLS = (
         "compute_loss_and_updates",
         ("self", "trainable_variables", "non_trainable_variables", "metrics_variables", "x"),
     ),
+    Symbol(jax_trainer, "_distribute_data", ("data", "layouts")),
     Symbol(JAXEpochIterator, "_get_iterator", ("self",)),
     Symbol(JAXEpochIterator, "_enumerate_iterator", ("self",)),
     Symbol(Trainer, "get_metrics_result", ("self",)),
     Symbol(Trainer, "compile", ("self",)),
+    Symbol(Trainer, "__init__", ("self",)),
     Symbol(data_adapter_utils, "unpack_x_y_sample_weight", ("data",)),
     # State threading.
     Symbol(StatelessScope, "__init__", ("self", "state_mapping", "collect_losses")),
@@ -145,6 +149,7 @@ SYMBOLS = (
         ("self", "grads", "trainable_variables", "learning_rate"),
     ),
     Symbol(LossScaleOptimizer, "check_finite", ("self", "grads")),
+    Symbol(LossScaleOptimizer, "_common_apply", ("self", "grads", "trainable_variables")),
     Symbol(
         LossScaleOptimizer,
         "stateless_apply",

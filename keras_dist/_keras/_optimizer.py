@@ -131,6 +131,32 @@ def _install_loss_scale_hook() -> None:
     check_finite._keras_dist_hook = True
     LossScaleOptimizer.check_finite = check_finite
     LossScaleOptimizer.stateless_apply = _merged_stateless_apply(LossScaleOptimizer.stateless_apply)
+    LossScaleOptimizer._common_apply = _apply_through_stateless(LossScaleOptimizer._common_apply)
+
+
+def _apply_through_stateless(original):
+    """``LossScaleOptimizer.apply`` on JAX: the stateless update, then the writes.
+
+    Keras's own stateful ``apply`` branches with ``ops.cond`` into branches that
+    assign variables, which JAX traces (both of them), so the assignments store
+    tracers: it fails even on one device, in eager code (``UnexpectedTracerError``).
+    TF's mixed-precision custom loop calls it, so it is done as Keras's ``fit``
+    does it: ``stateless_apply`` on the variables' values, and the new values
+    written back (inside a replica, ``stateless_apply`` sums the gradients first).
+    """
+
+    @functools.wraps(original)
+    def _common_apply(self, grads, trainable_variables=None):
+        variables = list(trainable_variables or self._trainable_variables)
+        new_trainable, new_optimizer = self.stateless_apply(
+            [v.value for v in self.variables], list(grads), [v.value for v in variables]
+        )
+        for variable, value in zip(variables, new_trainable):
+            variable.assign(value)
+        for variable, value in zip(self.variables, new_optimizer):
+            variable.assign(value)
+
+    return _common_apply
 
 
 def _merged_stateless_apply(original):

@@ -17,6 +17,7 @@ from keras_dist import _context
 from keras_dist._keras._internals import JAXEpochIterator
 from keras_dist._keras._internals import JAXTrainer
 from keras_dist._keras._internals import Trainer
+from keras_dist._keras._internals import jax_trainer_module
 from keras_dist._keras._variables import is_strategy_distribution
 
 _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
@@ -181,6 +182,22 @@ def _known(adapter, name):
         return None
 
 
+def _wrap_distribute_data(original):
+    """``*_on_batch`` hand host arrays to our steps, which split and place them.
+
+    Keras places an ``*_on_batch`` batch with the current distribution's data layout;
+    a strategy's distribution has none (its steps split each batch between replicas).
+    """
+
+    @functools.wraps(original)
+    def distribute_data(data, layouts=None):
+        if _in_strategy():
+            return data
+        return original(data, layouts)
+
+    return distribute_data
+
+
 def _wrap_enumerate_iterator(original):
     """The last execution of an epoch ends at the epoch's last batch, as in tf-keras.
 
@@ -216,6 +233,8 @@ def _wrap_get_metrics_result(original):
 def _wrap_compile(original, training):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
+        # Steps built for the last compile know its losses and metrics: build new ones.
+        object.__setattr__(self, "_keras_dist_steps", None)
         if _context.has_strategy():
             object.__setattr__(self, "_keras_dist_strategy", _context.get_strategy())
             return original(self, *args, **kwargs)
@@ -230,8 +249,20 @@ def _wrap_compile(original, training):
     return compile
 
 
+def _wrap_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        # As tf.keras: a model created in a scope belongs to its strategy, even before it
+        # has variables (a subclassed model built by its first `predict`).
+        if _context.has_strategy():
+            object.__setattr__(self, "_keras_dist_strategy", _context.get_strategy())
+
+    return __init__
+
+
 def compiled_under(model):
-    """The strategy current when ``model.compile`` ran, or ``None``."""
+    """The strategy current when ``model`` was created or compiled, or ``None``."""
     return getattr(model, "_keras_dist_strategy", None)
 
 
@@ -246,9 +277,13 @@ def install_trainer_hook(training: TrainingIntegration) -> None:
             JAXTrainer, name, _wrap_make_function(getattr(JAXTrainer, name), attribute, training)
         )
     JAXTrainer._get_jax_state = _wrap_get_jax_state(JAXTrainer._get_jax_state, training)
+    jax_trainer_module._distribute_data = _wrap_distribute_data(
+        jax_trainer_module._distribute_data
+    )
     JAXEpochIterator._get_iterator = _wrap_get_iterator(JAXEpochIterator._get_iterator, training)
     JAXEpochIterator._enumerate_iterator = _wrap_enumerate_iterator(
         JAXEpochIterator._enumerate_iterator
     )
     Trainer.get_metrics_result = _wrap_get_metrics_result(Trainer.get_metrics_result)
     Trainer.compile = _wrap_compile(Trainer.compile, training)
+    Trainer.__init__ = _wrap_init(Trainer.__init__)

@@ -9,6 +9,7 @@ import threading
 
 from keras_dist import _config
 from keras_dist import _context
+from keras_dist._input import densify
 from keras_dist._input import Prefetch
 from keras_dist._training._optimizer_apply import (
     apply_in_replica_context as apply_in_replica_context,
@@ -36,6 +37,8 @@ class _KerasIntegration:
 
     def host_batches(self, batches, read_ahead: bool, layout: tuple):
         check_same_batches_on_every_worker(_context.get_strategy().extended, layout)
+        # Dense here already: Keras builds a model by calling it on the first batch.
+        batches = map(densify, batches)
         size = _config.prefetch_buffer_size()
         if not (size and read_ahead):
             return batches

@@ -27,6 +27,7 @@ import numpy as np
 from keras_dist import _context
 from keras_dist._engine import PerShapeSteps
 from keras_dist._engine import ReplicatedOutput
+from keras_dist._input import densify
 from keras_dist._input import GlobalBatchSplitter
 from keras_dist._input import batch_rows
 from keras_dist._keras import compiled_under
@@ -152,7 +153,7 @@ class DistributedSteps:
         return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs), state
 
     def _batches(self, iterator) -> list:
-        return execution_batches(self.model, iterator)
+        return [densify(batch) for batch in execution_batches(self.model, iterator)]
 
     def _run(self, fn, *args):
         """``strategy.run``; eagerly when the model was compiled with ``run_eagerly=True``."""
@@ -249,7 +250,9 @@ class DistributedSteps:
     def _replica_predict_step(self, data):
         model = self.model
         state = step_state(model, "predict")
-        outputs, _ = model.predict_step(state, data)
+        outputs, non_trainable_values = model.predict_step(state, data)
+        # Kept, as Keras keeps them: a seed generator's state moves on with each predict.
+        _assign(model.non_trainable_variables, non_trainable_values)
         return outputs
 
 

@@ -116,10 +116,11 @@ class DistributedVariable(keras.Variable):
 
     def plain_write(self, kind, value):
         """The write itself, in whatever state the surrounding code set up."""
+        # Keras's ops, as Keras's own ``assign_add``: they take a sparse (BCOO) update.
         if kind == "assign_add":
-            value = self.value + value
+            value = keras.ops.add(self.value, value)
         elif kind == "assign_sub":
-            value = self.value - value
+            value = keras.ops.subtract(self.value, value)
         return KerasVariable.assign(self, value)
 
 

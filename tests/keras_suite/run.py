@@ -90,12 +90,18 @@ def main(argv=None) -> int:
     parser.add_argument("--folders", nargs="+", default=list(SUITE_FOLDERS), choices=SUITE_FOLDERS)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--json", type=pathlib.Path, help="write every outcome here")
+    parser.add_argument(
+        "--plain-from", type=pathlib.Path,
+        help="take the plain outcomes from an earlier --json file instead of running them",
+    )
     args = parser.parse_args(argv)
 
     sources = test_sources()
     strategies = [s for s in args.strategies if s != "plain"]
     outcomes = {s: run_pytest(s, sources, args.folders) for s in strategies}
-    if "plain" in args.strategies:
+    if args.plain_from:
+        plain = json.loads(args.plain_from.read_text())["plain"]
+    elif "plain" in args.strategies:
         plain = run_pytest("plain", sources, args.folders)
     else:
         failing = sorted({t for o in outcomes.values() for t, r in o.items() if r == "failed"})
