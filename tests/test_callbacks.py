@@ -625,3 +625,49 @@ def test_tensorboard_warns_for_what_it_does_not_write():
         TensorBoard("/tmp/unused", embeddings_freq=1)
     with pytest.raises(ValueError, match="update_freq"):
         TensorBoard("/tmp/unused", update_freq="step")
+
+
+# --------------------------------------------------------------------------
+# ModelCheckpoint(save_best_only=True) across a restart (keras-team/keras#17012 and
+# keras-team/tf-keras#430: a restarted run saved its first epoch, however bad).
+
+
+class _Score(keras.callbacks.Callback):
+    """Puts a chosen value into each epoch's logs, as a validation metric would."""
+
+    SCORES = [1.0, 0.5, 0.9, 0.8]  # best at epoch 1 (file best_2); no better after it
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["score"] = self.SCORES[epoch]
+
+
+@pytest.mark.parametrize("kind", ["plain", "mirrored"])
+@pytest.mark.parametrize("checkpoint_first", [True, False])
+def test_model_checkpoint_best_survives_a_restart(tmp_path, kind, checkpoint_first):
+    def callbacks(backup_dir):
+        checkpoint = ModelCheckpoint(
+            str(tmp_path / "best_{epoch}.weights.h5"),
+            monitor="score",
+            mode="min",
+            save_best_only=True,
+            save_weights_only=True,
+        )
+        backup = BackupAndRestore(backup_dir)
+        return [_Score(), checkpoint, backup] if checkpoint_first else [_Score(), backup, checkpoint]
+
+    backup_dir = str(tmp_path / "backup")
+    np.random.seed(SHUFFLE_SEED)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_model(kind), [*callbacks(backup_dir), _InterruptAtEpochEnd(1)])
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == [
+        "best_1.weights.h5",
+        "best_2.weights.h5",
+    ]
+    # A new process: a new model and new callbacks, resumed from the backup at epoch 2.
+    history = _fit(_model(kind, seed=2), callbacks(backup_dir))
+    assert history.epoch == [2, 3]
+    # Epochs 2 and 3 (scores 0.9, 0.8) are worse than 0.5: no file, the best one kept.
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5")) == [
+        "best_1.weights.h5",
+        "best_2.weights.h5",
+    ]

@@ -35,6 +35,7 @@ from keras_dist._keras._scopes import pending_variables as pending_variables
 from keras_dist._keras._trainer import TrainingIntegration as TrainingIntegration
 from keras_dist._keras._trainer import compiled_under as compiled_under
 from keras_dist._keras._trainer import execution_batches as execution_batches
+from keras_dist._keras._trainer import fit_callbacks as fit_callbacks
 from keras_dist._keras._trainer import install_trainer_hook
 from keras_dist._keras._variables import StrategyDistribution as StrategyDistribution
 from keras_dist._keras._variables import install_variable_hook

@@ -9,6 +9,7 @@ it). Internals used: the ``JAXTrainer`` loops and ``make_*_function``,
 ``_enumerate_iterator``, ``Trainer.get_metrics_result`` and ``Trainer.compile``.
 """
 
+import contextlib
 import functools
 import inspect
 from typing import Protocol
@@ -62,24 +63,51 @@ def _wrap_loop(original, training):
 
     @functools.wraps(original)
     def loop(self, *args, **kwargs):
-        _require_steps_for_endless_inputs(signature.bind(self, *args, **kwargs).arguments)
-        strategy = training.model_strategy(self)
-        if strategy is None:
-            training.check_fit_context(self)
-            return original(self, *args, **kwargs)
-        # One loop at a time per strategy: its steps donate every variable of
-        # the strategy, so another thread's step would delete this one's buffers.
-        with strategy.extended.lock:
-            if original.__name__ == "fit":
-                # Keras shuffles with NumPy's global generator: across processes
-                # every worker must draw the same order (it keeps its replicas'
-                # pieces of each global batch).
-                strategy.extended.agree_on_host_random_state()
-            with strategy.scope(), training.reading():
-                return original(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        _require_steps_for_endless_inputs(arguments)
+        if original.__name__ == "fit":
+            with _fitting_with(self, arguments.get("callbacks")):
+                return _run_loop(self, original, training, args, kwargs)
+        return _run_loop(self, original, training, args, kwargs)
 
     loop._keras_dist_hook = True
     return loop
+
+
+@contextlib.contextmanager
+def _fitting_with(model, callbacks):
+    """Lets a callback see its siblings during ``fit`` (``fit_callbacks``)."""
+    previous = getattr(model, "_keras_dist_fit_callbacks", ())
+    object.__setattr__(model, "_keras_dist_fit_callbacks", tuple(callbacks or ()))
+    try:
+        yield
+    finally:
+        object.__setattr__(model, "_keras_dist_fit_callbacks", previous)
+
+
+def fit_callbacks(model) -> tuple:
+    """The callbacks passed to the ``fit`` that ``model`` is running (empty outside one).
+
+    ``BackupAndRestore`` saves what the others remember (``ModelCheckpoint``'s best).
+    """
+    return getattr(model, "_keras_dist_fit_callbacks", ())
+
+
+def _run_loop(self, original, training, args, kwargs):
+    strategy = training.model_strategy(self)
+    if strategy is None:
+        training.check_fit_context(self)
+        return original(self, *args, **kwargs)
+    # One loop at a time per strategy: its steps donate every variable of
+    # the strategy, so another thread's step would delete this one's buffers.
+    with strategy.extended.lock:
+        if original.__name__ == "fit":
+            # Keras shuffles with NumPy's global generator: across processes
+            # every worker must draw the same order (it keeps its replicas'
+            # pieces of each global batch).
+            strategy.extended.agree_on_host_random_state()
+        with strategy.scope(), training.reading():
+            return original(self, *args, **kwargs)
 
 
 # Which argument gives the number of steps for an input, per loop argument.

@@ -23,8 +23,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from keras_dist import _context
+from keras_dist._keras import fit_callbacks
 from keras_dist._keras import set_initial_epoch
 from keras_dist._training import model_strategy
+from keras_dist.callbacks import _monitor_state
 from keras_dist.callbacks import _preemption
 from keras_dist.callbacks import _role
 from keras_dist.callbacks import _training_state
@@ -185,6 +187,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         _check_same_resume_point(model, restored)
         if restored is not None:
             set_initial_epoch(model, restored.epoch)
+            epoch_logs = restored.logs if restored.batch == 0 else None
+            _monitor_state.restore(fit_callbacks(model), restored.callback_states, epoch_logs)
             self._batches_since_save = restored.batches_since_save
             if restored.batch > 0:
                 self._resume = restored
@@ -247,6 +251,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 logs=logs,
                 rng_state=rng_state,
                 double_checkpoint=self.double_checkpoint,
+                callback_states=_monitor_state.states(fit_callbacks(self.model)),
             )
         finally:
             role.remove_temp_dirpath(self.backup_dir)

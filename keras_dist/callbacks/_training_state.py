@@ -69,6 +69,7 @@ class Restored:
     batches_since_save: int
     logs: dict
     metrics: list
+    callback_states: dict  # ``_monitor_state.states``: what monitoring callbacks remember
 
 
 def _scalar_logs(logs) -> dict:
@@ -79,7 +80,18 @@ def _scalar_logs(logs) -> dict:
     return out
 
 
-def save(model, dirpath, *, epoch, batch, batches_since_save, logs, rng_state, double_checkpoint):
+def save(
+    model,
+    dirpath,
+    *,
+    epoch,
+    batch,
+    batches_since_save,
+    logs,
+    rng_state,
+    double_checkpoint,
+    callback_states=None,
+):
     """Writes a backup of ``model`` as the directory ``dirpath``, replacing it as a unit.
 
     Every process calls this (non-chiefs into a directory they remove after).
@@ -89,13 +101,15 @@ def save(model, dirpath, *, epoch, batch, batches_since_save, logs, rng_state, d
     staging = f"{dirpath}{_STAGING}{uuid.uuid4().hex[:12]}"
     os.makedirs(staging)
     try:
-        _write(model, staging, epoch, batch, batches_since_save, logs, rng_state)
+        _write(
+            model, staging, epoch, batch, batches_since_save, logs, rng_state, callback_states
+        )
         _install(staging, dirpath, keep_previous=double_checkpoint)
     finally:
         _atomic_files.remove_tree(staging)  # gone already unless something failed
 
 
-def _write(model, staging, epoch, batch, batches_since_save, logs, rng_state):
+def _write(model, staging, epoch, batch, batches_since_save, logs, rng_state, callback_states):
     weights = os.path.join(staging, WEIGHTS)
     model.save_weights(weights, overwrite=True)
     arrays = {}
@@ -116,6 +130,7 @@ def _write(model, staging, epoch, batch, batches_since_save, logs, rng_state):
         "batch": int(batch),
         "batches_since_save": int(batches_since_save),
         "logs": _scalar_logs(logs),
+        "callback_states": callback_states or {},
         "sha256": {
             name: _atomic_files.sha256(os.path.join(staging, name)) for name in (WEIGHTS, STATE)
         },
@@ -216,6 +231,7 @@ def _load(model, dirpath) -> Restored:
         batches_since_save=metadata["batches_since_save"],
         logs=metadata["logs"],
         metrics=metrics,
+        callback_states=metadata.get("callback_states", {}),
     )
 
 
