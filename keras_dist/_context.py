@@ -83,6 +83,11 @@ def push(frame: Frame):
         keras.distribution.set_distribution(previous_distribution)
 
 
+def outside_any_strategy():
+    """The body runs as outside every scope: the default strategy, plain Keras variables."""
+    return push(_default_frame)
+
+
 def keras_distribution():
     """Keras's current distribution, put back first where Keras's state was cleared in a scope.
 
@@ -99,6 +104,18 @@ def keras_distribution():
         if distribution is not None:
             keras.distribution.set_distribution(distribution)
     return distribution
+
+
+def strategy_in_effect():
+    """The current non-default strategy, unless a Keras distribution scope entered inside
+    its scope (``keras.distribution.DataParallel(...).scope()``) replaces it; else ``None``.
+    """
+    stack = _state.stack
+    if not stack or not has_strategy():
+        return None
+    if keras_distribution() is not stack[-1].strategy.extended.keras_distribution:
+        return None
+    return stack[-1].strategy
 
 
 def current_function_trace():

@@ -113,6 +113,20 @@ def test_loss_scale_fit_equals_one_device(policy):
     _assert_same_training(_fit(kd.MirroredStrategy(cpus(4))), _fit(kd.get_strategy()), policy)
 
 
+@pytest.mark.timeout(180)
+def test_loss_scale_fit_under_parameter_servers_equals_one_device():
+    # One worker runs the steps in order: its numbers are one device's, skipped step included.
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        strategy = kd.ParameterServerStrategy(
+            kd.testing.create_in_process_cluster(num_workers=1, num_ps=1)
+        )
+        _assert_same_training(_fit(strategy), _fit(kd.get_strategy()), "mixed_float16")
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
 # ------------------------------------------------- optimizer features (float32)
 def _train_with(strategy, make_optimizer, epochs=3):
     rng = np.random.default_rng(3)

@@ -585,3 +585,59 @@ def test_workers_given_different_data_get_a_clear_error():
     assert "The workers were given different data" in message
     assert "worker 0: 4 batches of 16 rows" in message
     assert "worker 1: 3 batches of 16 rows (the last of 8)" in message
+
+
+def _best_checkpoint_worker(directory, interrupt):
+    """Fits 4 epochs with scores 1.0, 0.5, 0.9, 0.8; the first run stops after epoch 1."""
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=60)
+    )
+    import os
+
+    import keras
+
+    class Score(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["score"] = [1.0, 0.5, 0.9, 0.8][epoch]
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if interrupt and epoch == 1:
+                raise RuntimeError("interrupted")
+
+    with strategy.scope():
+        model = _tiny_model()
+    x, y = _regression_data(64)
+    checkpoint = kd.callbacks.ModelCheckpoint(
+        os.path.join(directory, "best_{epoch}.weights.h5"),
+        monitor="score",
+        mode="min",
+        save_best_only=True,
+        save_weights_only=True,
+    )
+    backup = kd.callbacks.BackupAndRestore(os.path.join(directory, "backup"))
+    try:
+        history = model.fit(
+            x, y, batch_size=16, epochs=4, verbose=0, callbacks=[Score(), backup, checkpoint, Interrupt()]
+        )
+    except RuntimeError:
+        return None
+    return history.epoch
+
+
+def test_model_checkpoint_best_survives_a_restart_on_every_worker(tmp_path):
+    import os
+
+    def saved():
+        return sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5"))
+
+    assert _launch(_best_checkpoint_worker, args=(str(tmp_path), True)) == [None, None]
+    assert saved() == ["best_1.weights.h5", "best_2.weights.h5"]
+    # Restarted: both workers resume at epoch 2 with the chief's best (0.5), so the worse
+    # epochs 2 and 3 overwrite nothing, on the chief or in a worker's temporary directory.
+    epochs = _launch(_best_checkpoint_worker, args=(str(tmp_path), False))
+    assert epochs == [[2, 3], [2, 3]]
+    assert saved() == ["best_1.weights.h5", "best_2.weights.h5"]
+    # No worker's temporary directory is left, and the backup is gone once training ended.
+    assert sorted(os.listdir(tmp_path)) == ["backup", "best_1.weights.h5", "best_2.weights.h5"]
+    assert os.listdir(tmp_path / "backup") == []

@@ -2,7 +2,7 @@
 
 import functools
 
-from keras_dist._keras._internals import global_state
+from keras_dist import _context
 from keras_dist._keras._internals import saving_lib
 
 
@@ -23,12 +23,8 @@ def install_saving_hook() -> None:
     @functools.wraps(original)
     def get_attr_skipset(obj_type):
         if obj_type not in cache:
-            distribution = global_state.get_global_attribute("distribution")
-            global_state.set_global_attribute("distribution", None)
-            try:
+            with _context.outside_any_strategy():
                 cache[obj_type] = original(obj_type)
-            finally:
-                global_state.set_global_attribute("distribution", distribution)
         return cache[obj_type]
 
     get_attr_skipset._keras_dist_hook = True

@@ -264,7 +264,8 @@ def _wrap_compile(original, training):
         # Steps built for the last compile know its losses and metrics: build new ones.
         object.__setattr__(self, "_keras_dist_steps", None)
         if _context.has_strategy():
-            object.__setattr__(self, "_keras_dist_strategy", _context.get_strategy())
+            if _context.strategy_in_effect() is not None:
+                object.__setattr__(self, "_keras_dist_strategy", _context.get_strategy())
             return original(self, *args, **kwargs)
         strategy = training.model_strategy(self)
         if strategy is None:
@@ -283,8 +284,9 @@ def _wrap_init(original):
         original(self, *args, **kwargs)
         # As tf.keras: a model created in a scope belongs to its strategy, even before it
         # has variables (a subclassed model built by its first `predict`).
-        if _context.has_strategy():
-            object.__setattr__(self, "_keras_dist_strategy", _context.get_strategy())
+        strategy = _context.strategy_in_effect()
+        if strategy is not None:
+            object.__setattr__(self, "_keras_dist_strategy", strategy)
 
     return __init__
 

@@ -69,7 +69,7 @@ def model_strategy(model):
 
 def check_fit_context(model):
     """Raises when a model built outside any strategy is trained inside a scope."""
-    if _context.has_strategy():
+    if _context.strategy_in_effect() is not None:
         current = _context.get_strategy()
         raise ValueError(
             f"This model was created outside any strategy scope, but `fit`, `evaluate` "

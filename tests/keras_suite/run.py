@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,11 @@ def run_pytest(strategy: str, sources: pathlib.Path, targets: list[str]) -> dict
             KERAS_DIST_SUITE_REPORT=str(report),
             PYTHONPATH=os.pathsep.join([str(HERE), str(sources), env.get("PYTHONPATH", "")]),
         )
-        # Without a GPU and TF, JAX's and TF's device probes only slow each process down.
+        # The plugin asks for 4 simulated devices; a count inherited from a caller (our
+        # own conftest sets 8) would win or clash.
+        env["XLA_FLAGS"] = re.sub(
+            r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")
+        ).strip()
         env.setdefault("JAX_PLATFORMS", "cpu")
         command = [
             sys.executable, "-m", "pytest", "-p", "strategy_plugin", "-p", "no:cacheprovider",
@@ -63,8 +68,9 @@ def run_pytest(strategy: str, sources: pathlib.Path, targets: list[str]) -> dict
                 f"pytest under {strategy!r} wrote no report (exit {completed.returncode}):\n"
                 + completed.stdout[-5000:]
             )
-        log = HERE / f".last_{strategy}.log"
+        log = sources / f"last_{strategy}.log"
         log.write_text(completed.stdout)
+        print(f"[{strategy}] pytest's output: {log}", flush=True)
         return json.loads(report.read_text())
 
 
@@ -112,12 +118,14 @@ def main(argv=None) -> int:
         counts = {r: sum(1 for o in plain.values() if o == r) for r in ("passed", "failed", "skipped")}
         print(f"plain: {counts['passed']} passed, {counts['failed']} failed, "
               f"{counts['skipped']} skipped")
-    print(f"{'strategy':<12} {'fail (pass plain)':>18} {'reviewed':>9} {'unexplained':>12}")
+    print(f"{'strategy':<12} {'passed':>7} {'fail (pass plain)':>18} {'reviewed':>9} "
+          f"{'unexplained':>12}")
     status = 0
     for strategy in strategies:
         reviewed, unexplained, stale = compare(plain, outcomes[strategy], strategy)
-        print(f"{strategy:<12} {len(reviewed) + len(unexplained):>18} {len(reviewed):>9} "
-              f"{len(unexplained):>12}")
+        passed = sum(1 for o in outcomes[strategy].values() if o == "passed")
+        print(f"{strategy:<12} {passed:>7} {len(reviewed) + len(unexplained):>18} "
+              f"{len(reviewed):>9} {len(unexplained):>12}")
         for test in unexplained:
             print(f"  FAILS UNDER {strategy}: {test}")
         for test in stale:

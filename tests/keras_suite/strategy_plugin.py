@@ -79,6 +79,12 @@ def pytest_runtest_logreport(report):
         _outcomes.setdefault(report.nodeid, "passed")
 
 
+def pytest_collectreport(report):
+    # A test module that cannot even be imported counts as one failed test.
+    if report.failed:
+        _outcomes[report.nodeid] = "failed"
+
+
 def pytest_sessionfinish(session):
     path = os.environ.get("KERAS_DIST_SUITE_REPORT")
     if path:
