@@ -653,7 +653,9 @@ def test_model_checkpoint_best_survives_a_restart(tmp_path, kind, checkpoint_fir
             save_weights_only=True,
         )
         backup = BackupAndRestore(backup_dir)
-        return [_Score(), checkpoint, backup] if checkpoint_first else [_Score(), backup, checkpoint]
+        return (
+            [_Score(), checkpoint, backup] if checkpoint_first else [_Score(), backup, checkpoint]
+        )
 
     backup_dir = str(tmp_path / "backup")
     np.random.seed(SHUFFLE_SEED)

@@ -72,7 +72,9 @@ def _custom_loop(strategy, compile_with_function):
     if compile_with_function:
         distributed_train_step = kd.function(distributed_train_step)
     batches = [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, 30, 8)]
-    losses = [float(distributed_train_step(b)) for b in strategy.experimental_distribute_dataset(batches)]
+    losses = [
+        float(distributed_train_step(b)) for b in strategy.experimental_distribute_dataset(batches)
+    ]
     return losses, model, optimizer
 
 

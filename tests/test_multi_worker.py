@@ -618,7 +618,12 @@ def _best_checkpoint_worker(directory, interrupt):
     backup = kd.callbacks.BackupAndRestore(os.path.join(directory, "backup"))
     try:
         history = model.fit(
-            x, y, batch_size=16, epochs=4, verbose=0, callbacks=[Score(), backup, checkpoint, Interrupt()]
+            x,
+            y,
+            batch_size=16,
+            epochs=4,
+            verbose=0,
+            callbacks=[Score(), backup, checkpoint, Interrupt()],
         )
     except RuntimeError:
         return None

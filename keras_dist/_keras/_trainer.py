@@ -307,9 +307,7 @@ def install_trainer_hook(training: TrainingIntegration) -> None:
             JAXTrainer, name, _wrap_make_function(getattr(JAXTrainer, name), attribute, training)
         )
     JAXTrainer._get_jax_state = _wrap_get_jax_state(JAXTrainer._get_jax_state, training)
-    jax_trainer_module._distribute_data = _wrap_distribute_data(
-        jax_trainer_module._distribute_data
-    )
+    jax_trainer_module._distribute_data = _wrap_distribute_data(jax_trainer_module._distribute_data)
     JAXEpochIterator._get_iterator = _wrap_get_iterator(JAXEpochIterator._get_iterator, training)
     JAXEpochIterator._enumerate_iterator = _wrap_enumerate_iterator(
         JAXEpochIterator._enumerate_iterator

@@ -9,8 +9,8 @@ import threading
 
 from keras_dist import _config
 from keras_dist import _context
-from keras_dist._input import densify
 from keras_dist._input import Prefetch
+from keras_dist._input import densify
 from keras_dist._training._optimizer_apply import (
     apply_in_replica_context as apply_in_replica_context,
 )

@@ -27,9 +27,9 @@ import numpy as np
 from keras_dist import _context
 from keras_dist._engine import PerShapeSteps
 from keras_dist._engine import ReplicatedOutput
-from keras_dist._input import densify
 from keras_dist._input import GlobalBatchSplitter
 from keras_dist._input import batch_rows
+from keras_dist._input import densify
 from keras_dist._keras import compiled_under
 from keras_dist._keras import execution_batches
 from keras_dist._keras import step_state

@@ -312,7 +312,7 @@ class SyncOnReadVariable(DistributedVariable):
         return value
 
     def _add_to_total(self, kind, value):
-        """Cross-replica ``assign_add``/``assign_sub`` of a SUM variable: the total moves by ``value``.
+        """Cross-replica ``assign_add``/``assign_sub`` of a SUM variable: the total moves.
 
         TF raises here ("does not support `assign_add` in cross-replica context when
         aggregation is set to SUM"), but Keras 3 updates metrics (SUM totals) outside

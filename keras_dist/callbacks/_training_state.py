@@ -101,9 +101,7 @@ def save(
     staging = f"{dirpath}{_STAGING}{uuid.uuid4().hex[:12]}"
     os.makedirs(staging)
     try:
-        _write(
-            model, staging, epoch, batch, batches_since_save, logs, rng_state, callback_states
-        )
+        _write(model, staging, epoch, batch, batches_since_save, logs, rng_state, callback_states)
         _install(staging, dirpath, keep_previous=double_checkpoint)
     finally:
         _atomic_files.remove_tree(staging)  # gone already unless something failed

@@ -86,8 +86,19 @@ def test_sources(version: str | None = None) -> pathlib.Path:
 
 
 def _download_sdist(version: str, into: pathlib.Path) -> pathlib.Path:
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-               "--no-binary", ":all:", f"keras=={version}", "-d", str(into)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        f"keras=={version}",
+        "-d",
+        str(into),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     archives = sorted(into.glob("keras-*.tar.gz"))
     if result.returncode != 0 or not archives:
@@ -104,7 +115,7 @@ def _extract_tests(archive: pathlib.Path, version: str, into: pathlib.Path) -> N
         for member in tar.getmembers():
             if not (member.isfile() and member.name.startswith(prefix)):
                 continue
-            relative = member.name[len(prefix):]
+            relative = member.name[len(prefix) :]
             if relative.split("/")[0] in SUITE_FOLDERS and relative.endswith("_test.py"):
                 destination = into / relative
                 destination.parent.mkdir(parents=True, exist_ok=True)

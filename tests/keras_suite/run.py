@@ -54,14 +54,31 @@ def run_pytest(strategy: str, sources: pathlib.Path, targets: list[str]) -> dict
         ).strip()
         env.setdefault("JAX_PLATFORMS", "cpu")
         command = [
-            sys.executable, "-m", "pytest", "-p", "strategy_plugin", "-p", "no:cacheprovider",
-            "--import-mode=importlib", "-q", "--no-header", "-o", "console_output_style=classic",
-            "--timeout=600", "--continue-on-collection-errors", *targets,
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "strategy_plugin",
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=importlib",
+            "-q",
+            "--no-header",
+            "-o",
+            "console_output_style=classic",
+            "--timeout=600",
+            "--continue-on-collection-errors",
+            *targets,
         ]
         print(f"[{strategy}] {len(targets)} target(s)", flush=True)
         completed = subprocess.run(
-            command, cwd=sources, env=env, timeout=PER_PROCESS_TIMEOUT_S,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            command,
+            cwd=sources,
+            env=env,
+            timeout=PER_PROCESS_TIMEOUT_S,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         if not report.exists():
             raise RuntimeError(
@@ -79,13 +96,15 @@ def compare(
 ) -> tuple[list[str], list[str], list[str]]:
     """(reviewed differences, unexplained failures, stale reviewed entries) for one strategy."""
     regressions = sorted(
-        test for test, outcome in under.items()
+        test
+        for test, outcome in under.items()
         if outcome == "failed" and plain.get(test) == "passed"
     )
     reviewed = [t for t in regressions if strategy in KNOWN_DIFFERENCES.get(t, ((), ""))[0]]
     unexplained = [t for t in regressions if t not in reviewed]
     stale = sorted(
-        test for test, (strategies, _) in KNOWN_DIFFERENCES.items()
+        test
+        for test, (strategies, _) in KNOWN_DIFFERENCES.items()
         if strategy in strategies and under.get(test) == "passed"
     )
     return reviewed, unexplained, stale
@@ -97,7 +116,8 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--json", type=pathlib.Path, help="write every outcome here")
     parser.add_argument(
-        "--plain-from", type=pathlib.Path,
+        "--plain-from",
+        type=pathlib.Path,
         help="take the plain outcomes from an earlier --json file instead of running them",
     )
     args = parser.parse_args(argv)
@@ -115,17 +135,25 @@ def main(argv=None) -> int:
 
     print(f"\nKeras {keras_version()}'s tests of {', '.join(args.folders)}")
     if "plain" in args.strategies:
-        counts = {r: sum(1 for o in plain.values() if o == r) for r in ("passed", "failed", "skipped")}
-        print(f"plain: {counts['passed']} passed, {counts['failed']} failed, "
-              f"{counts['skipped']} skipped")
-    print(f"{'strategy':<12} {'passed':>7} {'fail (pass plain)':>18} {'reviewed':>9} "
-          f"{'unexplained':>12}")
+        counts = {
+            r: sum(1 for o in plain.values() if o == r) for r in ("passed", "failed", "skipped")
+        }
+        print(
+            f"plain: {counts['passed']} passed, {counts['failed']} failed, "
+            f"{counts['skipped']} skipped"
+        )
+    print(
+        f"{'strategy':<12} {'passed':>7} {'fail (pass plain)':>18} {'reviewed':>9} "
+        f"{'unexplained':>12}"
+    )
     status = 0
     for strategy in strategies:
         reviewed, unexplained, stale = compare(plain, outcomes[strategy], strategy)
         passed = sum(1 for o in outcomes[strategy].values() if o == "passed")
-        print(f"{strategy:<12} {passed:>7} {len(reviewed) + len(unexplained):>18} "
-              f"{len(reviewed):>9} {len(unexplained):>12}")
+        print(
+            f"{strategy:<12} {passed:>7} {len(reviewed) + len(unexplained):>18} "
+            f"{len(reviewed):>9} {len(unexplained):>12}"
+        )
         for test in unexplained:
             print(f"  FAILS UNDER {strategy}: {test}")
         for test in stale:
