@@ -102,6 +102,7 @@ class _Entry:
         sync_on_read_variables = self._variables(self._sync_on_read)
         foreign_variables = self._variables(self._foreign)
         mirrored = [extended.compute_value(v) for v in mirrored_variables]
+        copy_shared_storage(mirrored_variables, mirrored)
         sync_on_read = [v.stored() for v in sync_on_read_variables]
         copy_shared_buffers(mirrored, sync_on_read, dynamic)  # an argument may alias state
         foreign = [extended.placement.replicate(v.value) for v in foreign_variables]
@@ -143,6 +144,21 @@ def assemble_outputs(out_record, arrays, sums, replicated):
         else:
             leaves.append(next(arrays))
     return jax.tree_util.tree_unflatten(out_treedef, leaves)
+
+
+def copy_shared_storage(variables, values) -> None:
+    """Copies ``values[i]`` where ``variables[i]`` stores the same array as an earlier one.
+
+    A variable assigned from another (an EMA slot set to its model variable) stores the
+    very same array; on one device ``compute_value`` wraps each in a new ``jax.Array``
+    around that one buffer, which donation would then be handed twice.
+    """
+    seen = set()
+    for i, variable in enumerate(variables):
+        key = id(variable.stored())
+        if key in seen:
+            values[i] = jnp.copy(values[i])
+        seen.add(key)
 
 
 def copy_shared_buffers(*lists):

@@ -150,6 +150,8 @@ SYMBOLS = (
     ),
     Symbol(LossScaleOptimizer, "check_finite", ("self", "grads")),
     Symbol(LossScaleOptimizer, "_common_apply", ("self", "grads", "trainable_variables")),
+    Symbol(LossScaleOptimizer, "_stateful_handle_non_finite_grads", ("self",)),
+    Symbol(BaseOptimizer, "_overwrite_variable_with_gradient", ("self", "variable")),
     Symbol(
         LossScaleOptimizer,
         "stateless_apply",

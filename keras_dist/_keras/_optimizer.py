@@ -14,6 +14,7 @@ made beside their variable (``slot_reference`` says which one).
 import functools
 import threading
 
+import jax
 from keras import ops
 
 from keras_dist._keras._internals import BaseOptimizer
@@ -135,26 +136,50 @@ def _install_loss_scale_hook() -> None:
 
 
 def _apply_through_stateless(original):
-    """``LossScaleOptimizer.apply`` on JAX: the stateless update, then the writes.
+    """``LossScaleOptimizer.apply`` on JAX, without side effects inside ``ops.cond``.
 
     Keras's own stateful ``apply`` branches with ``ops.cond`` into branches that
-    assign variables, which JAX traces (both of them), so the assignments store
-    tracers: it fails even on one device, in eager code (``UnexpectedTracerError``).
-    TF's mixed-precision custom loop calls it, so it is done as Keras's ``fit``
-    does it: ``stateless_apply`` on the variables' values, and the new values
-    written back (inside a replica, ``stateless_apply`` sums the gradients first).
+    assign variables; JAX traces both branches, so the assignments store tracers
+    and it fails even on one device, in eager code (``UnexpectedTracerError``).
+    TF's mixed-precision custom loop calls it, so:
+
+    - with concrete gradients (eager code), the branches are taken in Python,
+      the inner optimizer's ``apply`` included (its sparse updates stay sparse);
+    - inside a trace (``strategy.run``, ``kd.function``), as Keras's ``fit`` does
+      it: ``stateless_apply`` on the variables' values, and the new values written
+      back (in a replica, ``stateless_apply`` sums the gradients first).
     """
 
     @functools.wraps(original)
     def _common_apply(self, grads, trainable_variables=None):
+        grads = list(grads)
         variables = list(trainable_variables or self._trainable_variables)
-        new_trainable, new_optimizer = self.stateless_apply(
-            [v.value for v in self.variables], list(grads), [v.value for v in variables]
-        )
-        for variable, value in zip(variables, new_trainable):
-            variable.assign(value)
-        for variable, value in zip(self.variables, new_optimizer):
-            variable.assign(value)
+        finite = self.check_finite(grads)
+        if isinstance(finite, jax.core.Tracer):
+            new_trainable, new_optimizer = self.stateless_apply(
+                [v.value for v in self.variables], grads, [v.value for v in variables]
+            )
+            # Through the optimizer's own ``assign``, as Keras's optimizers write.
+            for variable, value in zip(variables, new_trainable):
+                self.assign(variable, value)
+            for variable, value in zip(self.variables, new_optimizer):
+                self.assign(variable, value)
+        elif not bool(finite):
+            self._stateful_handle_non_finite_grads()
+        else:
+            scale = self.dynamic_scale
+            unscaled = [
+                g
+                if g is None or self._overwrite_variable_with_gradient(v)
+                else ops.divide(g, scale)
+                for g, v in zip(grads, variables)
+            ]
+            self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+            if int(self.step_counter.numpy()) == self.dynamic_growth_steps - 1:
+                self.step_counter.assign(0)
+                self.dynamic_scale.assign(ops.multiply(self.dynamic_scale, 2.0))
+            else:
+                self.step_counter.assign_add(1)
 
     return _common_apply
 

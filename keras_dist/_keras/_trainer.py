@@ -185,11 +185,13 @@ def _wrap_get_iterator(original, training):
     def get_iterator(self):
         if _in_strategy():
             # Host batches: the strategy splits and places them itself. They are
-            # read ahead, except from a generator: Keras may start a new epoch
-            # on the same generator, and batches read ahead would be lost.
+            # read ahead, except from a generator or an input of unknown length:
+            # Keras may start a new epoch on the same iterator (batches read ahead
+            # would be lost), and a PyDataset refuses reads after its epoch ended.
             adapter = self.data_adapter
             batches = adapter.get_numpy_iterator()
             from_generator = type(adapter).__name__ == "GeneratorDataAdapter"
+            from_generator = from_generator or _known(adapter, "num_batches") is None
             partial = _known(adapter, "has_partial_batch")
             layout = (
                 self.steps_per_epoch or _known(adapter, "num_batches"),
