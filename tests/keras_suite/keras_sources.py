@@ -99,14 +99,15 @@ def _download_sdist(version: str, into: pathlib.Path) -> pathlib.Path:
         "-d",
         str(into),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    archives = sorted(into.glob("keras-*.tar.gz"))
-    if result.returncode != 0 or not archives:
-        raise RuntimeError(
-            f"Could not download Keras {version}'s source distribution (it holds Keras's "
-            f"tests). pip said:\n{result.stderr[-2000:]}"
-        )
-    return archives[0]
+    for _ in range(3):  # a registry hiccup is not a failure of the suite
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        archives = sorted(into.glob("keras-*.tar.gz"))
+        if result.returncode == 0 and archives:
+            return archives[0]
+    raise RuntimeError(
+        f"Could not download Keras {version}'s source distribution (it holds Keras's "
+        f"tests). pip said:\n{result.stderr[-2000:]}"
+    )
 
 
 def _extract_tests(archive: pathlib.Path, version: str, into: pathlib.Path) -> None:
