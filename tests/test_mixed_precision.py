@@ -190,3 +190,46 @@ def test_swap_ema_weights_under_a_strategy_equals_one_device():
         np.testing.assert_allclose(history[key], history_1[key], rtol=1e-6)
     for variable, reference in zip(weights, weights_1):
         np.testing.assert_allclose(variable, reference, atol=1e-6)
+
+
+@pytest.mark.parametrize("compile_with_function", [False, True], ids=["eager", "kd.function"])
+def test_two_optimizers_for_two_layers_equal_one_device(compile_with_function):
+    # Keras 3 has no MultiOptimizer: a custom loop applies one optimizer per group of variables.
+    def train(strategy, wrap):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(30, 4)).astype("float32")
+        y = rng.normal(size=(30, 1)).astype("float32")
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential(
+                [keras.Input((4,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(1)]
+            )
+            hidden, head = model.layers[0].trainable_variables, model.layers[1].trainable_variables
+            adam, sgd = keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.1, momentum=0.9)
+            adam.build(hidden)
+            sgd.build(head)
+
+        def step(xb, yb):
+            def loss_fn():
+                return keras.ops.sum(keras.ops.square(model(xb) - yb)) / len(x)
+
+            loss, grads = kd.value_and_grad(loss_fn, hidden + head)()
+            adam.apply(grads[: len(hidden)], hidden)
+            sgd.apply(grads[len(hidden) :], head)
+            return loss
+
+        @wrap
+        def distributed_step(xb, yb):
+            return strategy.reduce("SUM", strategy.run(step, args=(xb, yb)), axis=None)
+
+        batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, len(x), 8)]  # last one has 6 rows
+        dataset = strategy.experimental_distribute_dataset(batches)
+        losses = [float(distributed_step(xb, yb)) for _ in range(2) for xb, yb in dataset]
+        return losses, [np.asarray(v) for v in model.trainable_variables + adam.variables]
+
+    losses_1, state_1 = train(kd.get_strategy(), lambda f: f)
+    wrap = kd.function if compile_with_function else (lambda f: f)
+    losses, state = train(kd.MirroredStrategy(cpus(4)), wrap)
+    np.testing.assert_allclose(losses, losses_1, rtol=1e-6, atol=1e-7)
+    for value, reference in zip(state, state_1):
+        np.testing.assert_allclose(value, reference, atol=1e-6)
