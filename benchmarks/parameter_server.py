@@ -1,7 +1,7 @@
 """Parameter-server training: keras_dist's coordinator against a hand-written raw-gRPC async PS.
 
 In one invocation, on this machine: an MLP 784-512-512-10 with SGD, per-worker batch 64,
-2 workers and 1 ps, asynchronous (DESIGN §10's measurement):
+2 workers and 1 ps, asynchronous:
 
 (a) keras_dist: ``ParameterServerStrategy`` + ``ClusterCoordinator`` on a cluster of
     local processes (``kd.testing.create_multi_process_cluster``); the coordinator

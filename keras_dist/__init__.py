@@ -14,7 +14,7 @@ from keras_dist._backend import ensure_jax_backend
 ensure_jax_backend()
 
 from keras_dist import _keras  # noqa: E402
-from keras_dist import _training  # noqa: E402
+from keras_dist import _keras_steps  # noqa: E402
 from keras_dist import callbacks as callbacks  # noqa: E402
 from keras_dist import cluster_resolver as cluster_resolver  # noqa: E402
 from keras_dist import config as config  # noqa: E402
@@ -44,17 +44,17 @@ from keras_dist._input import DistributedIterator as DistributedIterator  # noqa
 from keras_dist._input import InputContext as InputContext  # noqa: E402
 from keras_dist._input import InputOptions as InputOptions  # noqa: E402
 from keras_dist._input import InputReplicationMode as InputReplicationMode  # noqa: E402
+from keras_dist._keras_steps import value_and_grad as value_and_grad  # noqa: E402
 from keras_dist._launch import launch as launch  # noqa: E402
-from keras_dist._ps import Server as Server  # noqa: E402
 from keras_dist._reduce_op import ReduceOp as ReduceOp  # noqa: E402
 from keras_dist._replica_context import ReplicaContext as ReplicaContext  # noqa: E402
 from keras_dist._run_options import RunOptions as RunOptions  # noqa: E402
-from keras_dist._training import value_and_grad as value_and_grad  # noqa: E402
 from keras_dist._values import DistributedValues as DistributedValues  # noqa: E402
 from keras_dist._values import Mirrored as Mirrored  # noqa: E402
 from keras_dist._values import PerReplica as PerReplica  # noqa: E402
 from keras_dist._values._variables import MirroredVariable as MirroredVariable  # noqa: E402
 from keras_dist._values._variables import SyncOnReadVariable as SyncOnReadVariable  # noqa: E402
+from keras_dist.parameter_server.tasks._server import Server as Server  # noqa: E402
 from keras_dist.strategies import MirroredStrategy as MirroredStrategy  # noqa: E402
 from keras_dist.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy  # noqa: E402
 from keras_dist.strategies import OneDeviceStrategy as OneDeviceStrategy  # noqa: E402
@@ -63,7 +63,7 @@ from keras_dist.strategies import Strategy as Strategy  # noqa: E402
 from keras_dist.strategies import StrategyExtended as StrategyExtended  # noqa: E402
 from keras_dist.strategies import TPUStrategy as TPUStrategy  # noqa: E402
 
-_keras.install_hooks(_training.KERAS_INTEGRATION, _training.apply_in_replica_context)
+_keras.install_hooks(_keras_steps.KERAS_INTEGRATION, _keras_steps.apply_in_replica_context)
 
 __version__ = "0.1.0"
 

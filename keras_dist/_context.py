@@ -46,10 +46,15 @@ _state = _ThreadState()
 _default_frame = None
 
 
-def set_default_strategy(strategy) -> None:
-    """Registers the strategy in effect outside any scope (done by ``strategies``)."""
+def set_default_strategy(strategy, replica_context) -> None:
+    """Registers the strategy in effect outside any scope and its replica context."""
     global _default_frame
-    _default_frame = Frame(strategy, strategy.extended.default_replica_context)
+    _default_frame = Frame(strategy, replica_context)
+
+
+def default_replica_context_of(strategy):
+    """The default strategy's replica context for it; ``None`` for every other strategy."""
+    return _default_frame.replica_context if strategy is _default_frame.strategy else None
 
 
 def current_frame() -> Frame:
@@ -222,3 +227,18 @@ def experimental_set_strategy(strategy) -> None:
 
 
 _set_strategy_scope = None
+
+
+def running_replica_context():
+    """The ``ReplicaContext`` of a strategy's ``run`` we are inside, else ``None``.
+
+    ``None`` in the cross-replica context and in the default replica context
+    (outside any strategy), where replica-only rules do not apply.
+
+    >>> running_replica_context() is None
+    True
+    """
+    replica_context = current_frame().replica_context
+    if replica_context is None or replica_context.is_default:
+        return None
+    return replica_context

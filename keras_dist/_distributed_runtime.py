@@ -21,10 +21,11 @@ Two more things happen around ``jax.distributed.initialize``:
   worker 0) first checks that the coordinator's port is free, and raises an
   ``OSError`` naming the address when it is not (JAX would crash in gRPC).
 * SIGTERM is taken back from JAX. Its preemption sync manager installs a C
-  handler that only records the signal (DESIGN §8: such processes outlived a
-  SIGTERM for minutes). SIGTERM gets back the disposition it had, so it ends
-  the process; ``hand_sigterm_to_preemption_notifier`` gives it to JAX's
-  notifier while a preemption save is asked for (``callbacks/_preemption.py``).
+  handler that only records the signal (such processes outlived a SIGTERM for
+  minutes; ``docs/architecture.md``, "A jaxlib hazard"). SIGTERM gets back the
+  disposition it had, so it ends the process;
+  ``hand_sigterm_to_preemption_notifier`` gives it to JAX's notifier while a
+  preemption save is asked for (``callbacks/_preemption.py``).
 """
 
 import atexit

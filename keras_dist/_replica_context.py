@@ -39,6 +39,11 @@ class ReplicaContext:
         self._is_default = _is_default
 
     @property
+    def is_default(self) -> bool:
+        """Whether this is the default strategy's replica context (outside any ``run``)."""
+        return self._is_default
+
+    @property
     def eager_index(self) -> "int | None":
         """This replica's local index when it runs on a thread of its own (eager engine).
 
@@ -155,21 +160,6 @@ class ReplicaContext:
             f"ReplicaContext(strategy={type(self._strategy).__name__}, "
             f"replica_id_in_sync_group={self._replica_id_in_sync_group!r})"
         )
-
-
-def running_replica_context() -> "ReplicaContext | None":
-    """The replica context of a strategy's ``run`` we are inside, else ``None``.
-
-    ``None`` in the cross-replica context and in the default replica context
-    (outside any strategy), where replica-only rules do not apply.
-
-    >>> running_replica_context() is None
-    True
-    """
-    replica_context = _context.current_frame().replica_context
-    if replica_context is None or replica_context._is_default:
-        return None
-    return replica_context
 
 
 def _first_replica_value(strategy, value):

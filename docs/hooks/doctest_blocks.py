@@ -1,7 +1,7 @@
 """MkDocs hook: doctest examples in docstrings render as ``pycon`` code blocks.
 
 keras_dist's docstrings show their examples as bare doctest blocks (``>>>`` lines, then the
-output), which ``tests/test_docs.py`` runs. Markdown would read the ``>`` as block quotes and
+output), which ``tests/docs/test_docs.py`` runs. Markdown would read the ``>`` as block quotes and
 ``[2.0, 3.0]`` in an output as a link, so this fences every such block before the other
 preprocessors (superfences included) see it. Lines already inside a fence are left alone.
 """

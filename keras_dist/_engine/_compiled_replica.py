@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from keras_dist import _context
-from keras_dist._engine._interface import ReplicaEngine
+from keras_dist._engine_contract import ReplicaEngine
+from keras_dist._engine_contract import TracedMerge
 from keras_dist._keras import KerasVariable
 from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._reduce_op import ReduceOp
@@ -43,7 +44,7 @@ class _TracedValue:
         return tuple(gathered[i] for i in range(self.engine.num_replicas))
 
 
-class CompiledReplica(ReplicaEngine):
+class CompiledReplica(ReplicaEngine, TracedMerge):
     """The replica side of a trace: collectives and merge_call for ``ReplicaContext``."""
 
     compiled = True

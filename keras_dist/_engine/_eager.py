@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from keras_dist import _context
-from keras_dist._engine._interface import ReplicaEngine
+from keras_dist._engine_contract import ReplicaEngine
 from keras_dist._keras import KerasVariable
 from keras_dist._replica_context import ReplicaContext
 from keras_dist._values import DistributedValues
@@ -94,7 +94,7 @@ class EagerReplica(ReplicaEngine):
 
         Each replica thread runs the function, so a variable created inside it is
         created once per replica; as TF's MirroredStrategy does, the k-th
-        variable a replica creates is replica 0's k-th (see ``_keras_hooks``).
+        variable a replica creates is replica 0's k-th (see ``_keras._variables``).
         """
         thread = self._thread
         mine = thread.created[thread.index]

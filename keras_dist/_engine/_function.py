@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_dist import _config
 from keras_dist import _context
+from keras_dist._capabilities import MeshRuntime
 from keras_dist._engine._compiled import copy_shared_buffers
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
@@ -41,6 +41,7 @@ from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
 from keras_dist._values._variables import DistributedVariable
 from keras_dist._values._variables import SyncOnReadVariable
+from keras_dist.config import _switches as _config
 
 _MAX_TRACES = 6
 
@@ -64,7 +65,9 @@ class _Program:
         state = [r() for r in self._state]
         values = [_state_value(v, self.extendeds) for v in state]
         copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
-        serialize = any(e.placement is not None and e.placement.serializes for e in self.extendeds)
+        serialize = any(
+            isinstance(e, MeshRuntime) and e.placement.serializes for e in self.extendeds
+        )
         new_state, outputs = GATE.call(serialize, self.compiled, values, dynamic)
         for variable, value in zip(state, new_state):
             _store_state(variable, value)
@@ -96,7 +99,7 @@ def _state_value(variable, extendeds):
     if isinstance(variable, DistributedVariable):
         return variable.distribute_strategy.extended.compute_value(variable)
     value = variable.value
-    if extendeds and extendeds[0].placement is not None:
+    if extendeds and isinstance(extendeds[0], MeshRuntime):
         return extendeds[0].placement.replicate(value)  # beside the strategy's arrays
     return value
 
@@ -336,8 +339,16 @@ def _keep_sharding(new, sharding):
     return jax.lax.with_sharding_constraint(new, sharding)
 
 
+@jax.tree_util.register_pytree_node_class
 class _NextElement:
     """An iterator argument inside a ``kd.function``: ``next()`` gives the element read for it."""
+
+    def tree_flatten(self):
+        return (self._element,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(children[0])
 
     def __init__(self, element):
         self._element = element
@@ -358,11 +369,6 @@ class _NextElement:
         return self._element
 
     get_next = __next__
-
-
-jax.tree_util.register_pytree_node(
-    _NextElement, lambda n: ((n._element,), None), lambda _, children: _NextElement(children[0])
-)
 
 
 def _with_next_elements(structure):

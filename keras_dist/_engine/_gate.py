@@ -2,10 +2,11 @@
 
 jaxlib 0.10.2 on CPU with several simulated devices aborts ("Expected 4 threads
 to join the rendezvous, but only 3 of them arrived on time") when executions
-holding collectives overlap, and hangs across processes (DESIGN.md §8). Every
-multi-device execution of keras_dist goes through ``call``: it waits for the
-previous one to finish before dispatching the next, while host work (Python,
-input) still overlaps the running step. On accelerators it only dispatches.
+holding collectives overlap, and hangs across processes
+(``docs/architecture.md``, "A jaxlib hazard"). Every multi-device execution of
+keras_dist goes through ``call``: it waits for the previous one to finish before
+dispatching the next, while host work (Python, input) still overlaps the running
+step. On accelerators it only dispatches.
 """
 
 import threading

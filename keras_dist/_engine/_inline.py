@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._context import running_replica_context
 from keras_dist._engine._compiled import TraceRecord
 from keras_dist._engine._compiled import assemble_outputs
 from keras_dist._engine._compiled_replica import is_input_leaf
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import pending_variables
 from keras_dist._keras import variable_has_value
-from keras_dist._replica_context import running_replica_context
 from keras_dist._values import DistributedValues
 from keras_dist._values import PerReplica
 from keras_dist._values._variables import DistributedVariable

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from keras_dist import _context
 from keras_dist._engine._eager import select_replica_part
+from keras_dist._engine_contract import ReplicaCopies
 from keras_dist._keras import RecordingScope
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
@@ -93,11 +94,12 @@ class ThreadValues:
         return first
 
 
-class CrossReplica:
-    """The cross-replica side of an uneven step's trace (a ``merge_fn``'s engine)."""
+class CrossReplica(ReplicaCopies):
+    """The cross-replica side of an uneven step's trace (a ``merge_fn``'s engine).
 
-    compiled = True  # values are traced: the strategy asks this engine to reduce them
-    holds_replica_copies = True  # a SyncOnRead write here updates every replica's copy
+    Its values are traced, so the strategy asks it to reduce them; it holds every
+    replica's copy of the variables, so a SyncOnRead write updates each copy.
+    """
 
     def __init__(self, extended, replica_values: list):
         self._extended = extended

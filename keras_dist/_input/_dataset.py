@@ -11,6 +11,8 @@ Batches are read, split and sent to the devices ahead of use (``Prefetch``).
 import jax
 import numpy as np
 
+from keras_dist._capabilities import MeshRuntime
+from keras_dist._context import running_replica_context
 from keras_dist._input._options import InputContext
 from keras_dist._input._options import InputOptions
 from keras_dist._input._options import InputReplicationMode
@@ -19,7 +21,6 @@ from keras_dist._input._split import AgreedSteps
 from keras_dist._input._split import GlobalBatchSplitter
 from keras_dist._input._split import RebatchedForEveryWorker
 from keras_dist._input._split import per_replica_batches
-from keras_dist._replica_context import running_replica_context
 from keras_dist._values import PerReplica
 from keras_dist.data import AutoShardPolicy
 from keras_dist.data._sharding import tf_data_auto_shard_policy_name
@@ -138,7 +139,9 @@ class DistributedDataset:
                 )
         _check_iterable(dataset)
         extended = strategy.extended
-        if extended.placement is None:  # no mesh: batches go to the one replica as they are
+        if not isinstance(
+            extended, MeshRuntime
+        ):  # no mesh: batches go to the one replica as they are
             return cls(lambda: iter(dataset).__next__)
         if extended.spans_processes and _policy_is_off(dataset):
             rebatched = RebatchedForEveryWorker(extended, dataset)
@@ -158,7 +161,7 @@ class DistributedDataset:
         extended = strategy.extended
         n = strategy.num_replicas_in_sync
         per_replica = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
-        if extended.placement is None:
+        if not isinstance(extended, MeshRuntime):
             dataset = dataset_fn(InputContext(1, 0, n))
             _check_iterable(dataset)
             return cls(lambda: iter(dataset).__next__)

@@ -6,6 +6,7 @@ variables (creation policy), scopes (state threading), optimizer, trainer,
 layers, saving, and the pieces of Keras's train step (``_model``).
 """
 
+from keras_dist._keras._instance_patches import replaced_methods as replaced_methods
 from keras_dist._keras._internals import KerasVariable as KerasVariable
 from keras_dist._keras._internals import KerasVersionError as KerasVersionError
 from keras_dist._keras._internals import check as check_keras_internals
@@ -37,12 +38,15 @@ from keras_dist._keras._trainer import compiled_under as compiled_under
 from keras_dist._keras._trainer import execution_batches as execution_batches
 from keras_dist._keras._trainer import fit_callbacks as fit_callbacks
 from keras_dist._keras._trainer import install_trainer_hook
-from keras_dist._keras._variables import StrategyDistribution as StrategyDistribution
-from keras_dist._keras._variables import install_variable_hook
-from keras_dist._keras._variables import make_per_replica_statistic as make_per_replica_statistic
-from keras_dist._keras._variables import set_variable_class as set_variable_class
-from keras_dist._keras._variables import share_variable_state as share_variable_state
-from keras_dist._keras._variables import variable_has_value as variable_has_value
+from keras_dist._keras._variable_hooks import StrategyDistribution as StrategyDistribution
+from keras_dist._keras._variable_hooks import install_variable_hook
+from keras_dist._keras._variable_hooks import (
+    make_per_replica_statistic as make_per_replica_statistic,
+)
+from keras_dist._keras._variable_hooks import same_variable as same_variable
+from keras_dist._keras._variable_hooks import set_variable_class as set_variable_class
+from keras_dist._keras._variable_hooks import share_variable_state as share_variable_state
+from keras_dist._keras._variable_hooks import variable_has_value as variable_has_value
 
 
 def install_hooks(training: TrainingIntegration, apply_in_replica_context) -> None:

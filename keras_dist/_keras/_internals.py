@@ -45,6 +45,7 @@ BaseOptimizer = base_optimizer.BaseOptimizer
 JaxOptimizer = jax_optimizer.JaxOptimizer
 LossScaleOptimizer = loss_scale_optimizer.LossScaleOptimizer
 BatchNormalization = batch_normalization.BatchNormalization
+ModelCheckpoint = keras.callbacks.ModelCheckpoint
 Distribution = distribution_lib.Distribution
 initialize_all_variables = common_variables.initialize_all_variables
 unpack_x_y_sample_weight = data_adapter_utils.unpack_x_y_sample_weight
@@ -59,6 +60,7 @@ __all__ = [
     "JaxVariable",
     "KerasVariable",
     "LossScaleOptimizer",
+    "ModelCheckpoint",
     "StatelessScope",
     "Trainer",
     "check",
@@ -133,6 +135,7 @@ SYMBOLS = (
     Symbol(JaxVariable, "_initialize_layout", ("self",)),
     Symbol(JaxVariable, "_direct_assign", ("self", "value")),
     Symbol(KerasVariable, "_maybe_autocast", ("self", "value")),
+    Symbol(KerasVariable, "_convert_to_tensor", ("self", "value", "dtype")),
     Symbol(Distribution, "get_variable_layout", ("self", "variable")),
     Symbol(BaseOptimizer, "add_variable_from_reference", ("self", "reference_variable")),
     # Optimizers.
@@ -161,8 +164,10 @@ SYMBOLS = (
     Symbol(BatchNormalization, "build", ("self", "input_shape")),
     Symbol(BatchNormalization, "_moments", ("self", "inputs", "mask")),
     Symbol(loss_module, "reduce_values", ("values", "sample_weight", "reduction")),
-    # Saving.
+    # Saving: ModelCheckpoint writes at the chief's path, atomically.
     Symbol(saving_lib, "get_attr_skipset", ("obj_type",)),
+    Symbol(ModelCheckpoint, "_get_file_path", ("self", "epoch", "batch", "logs")),
+    Symbol(ModelCheckpoint, "_save_model", ("self", "epoch", "batch", "logs")),
 )
 
 # Instance attributes the hooks read or write: (class, method that sets it, name).
@@ -172,6 +177,8 @@ ATTRIBUTES = (
     (KerasVariable, "__init__", "_layout"),
     (KerasVariable, "__init__", "_synchronization"),
     (KerasVariable, "__init__", "_aggregation"),
+    (KerasVariable, "__init__", "_dtype"),
+    (KerasVariable, "__init__", "_shape"),
     (BaseOptimizer, "build", "_trainable_variables"),
     (Trainer, "__init__", "_initial_epoch"),
     (BatchNormalization, "build", "_reduction_axes"),

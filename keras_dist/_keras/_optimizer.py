@@ -17,11 +17,12 @@ import threading
 import jax
 from keras import ops
 
+from keras_dist._capabilities import MeshRuntime
+from keras_dist._context import running_replica_context
 from keras_dist._keras._internals import BaseOptimizer
 from keras_dist._keras._internals import JaxOptimizer
 from keras_dist._keras._internals import LossScaleOptimizer
 from keras_dist._reduce_op import ReduceOp
-from keras_dist._replica_context import running_replica_context
 from keras_dist._thread_state import set_for_block
 
 _original_apply = BaseOptimizer.apply
@@ -203,6 +204,8 @@ def _merged_stateless_apply(original):
             extended = strategy.extended
             summed = extended.batch_reduce_to(ReduceOp.SUM, [(g, g) for g in grads])
             grads = [extended.unwrap_mirrored(g) for g in summed]
+            if not isinstance(extended, MeshRuntime):  # one replica: values pass through
+                return original(self, optimizer_variables, grads, trainable_variables)
             optimizer_variables = [extended.one_value(v) for v in optimizer_variables]
             trainable_variables = [extended.one_value(v) for v in trainable_variables]
             new = original(self, optimizer_variables, grads, trainable_variables)

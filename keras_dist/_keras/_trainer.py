@@ -15,11 +15,12 @@ import inspect
 from typing import Protocol
 
 from keras_dist import _context
+from keras_dist._capabilities import MeshRuntime
 from keras_dist._keras._internals import JAXEpochIterator
 from keras_dist._keras._internals import JAXTrainer
 from keras_dist._keras._internals import Trainer
 from keras_dist._keras._internals import jax_trainer_module
-from keras_dist._keras._variables import is_strategy_distribution
+from keras_dist._keras._variable_hooks import is_strategy_distribution
 
 _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 _STEP_FUNCTIONS = (
@@ -105,7 +106,8 @@ def _run_loop(self, original, training, args, kwargs):
             # Keras shuffles with NumPy's global generator: across processes
             # every worker must draw the same order (it keeps its replicas'
             # pieces of each global batch).
-            strategy.extended.agree_on_host_random_state()
+            if isinstance(strategy.extended, MeshRuntime):
+                strategy.extended.agree_on_host_random_state()
         with strategy.scope(), training.reading():
             return original(self, *args, **kwargs)
 

@@ -24,8 +24,8 @@ from keras_dist._launch._errors import WorkerError
 from keras_dist._launch._launcher import run_elastic
 from keras_dist._launch._process import describe_exit
 from keras_dist._launch._program import ScriptProgram
-from keras_dist._launch._ps_job import ps_environment
 from keras_dist._launch._runner import MultiProcessRunner
+from keras_dist.parameter_server._job import ps_environment
 
 _TIMEOUT_EXIT_CODE = 124  # As the `timeout` command.
 # Signals that stop every task in order (SIGHUP: the terminal closed), where they exist.

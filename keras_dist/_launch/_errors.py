@@ -94,10 +94,12 @@ def _rebuild(exception: BaseException, message: str) -> BaseException | None:
     try:
         cls = _remote_class(type(exception))
         error = cls.__new__(cls, *exception.args)
-        error.__dict__.update(exception.__dict__)
+        reduced = exception.__reduce__()  # (type, args[, state]): pickle's copy of its state
+        if len(reduced) > 2 and reduced[2]:
+            error.__setstate__(reduced[2])
     except Exception:
         return None  # A type that cannot be subclassed, or whose state cannot be copied.
-    error._report_message = message
+    error.report_message = message
     return error
 
 
@@ -111,7 +113,7 @@ def _remote_class(cls: type) -> type:
         {
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
-            "__str__": lambda self: self._report_message,
+            "__str__": lambda self: self.report_message,
         },
     )
 

@@ -11,9 +11,9 @@ import time
 from keras_dist._launch._cluster import create_cluster_spec
 from keras_dist._launch._errors import UnexpectedSubprocessExitError
 from keras_dist._launch._errors import WorkerError
-from keras_dist._launch._ps_job import join_job
-from keras_dist._launch._ps_job import ps_environment
 from keras_dist._launch._runner import MultiProcessRunner
+from keras_dist.parameter_server._job import join_job
+from keras_dist.parameter_server._job import ps_environment
 
 
 def launch(

@@ -310,9 +310,24 @@ class MultiProcessRunner:
     def _start_monitor(self) -> None:
         if self._monitor is None or not self._monitor.is_alive():
             self._monitor = threading.Thread(
-                target=_monitor, args=(weakref.ref(self),), name="keras-dist-monitor", daemon=True
+                target=MultiProcessRunner._watch,
+                args=(weakref.ref(self),),
+                name="keras-dist-monitor",
+                daemon=True,
             )
             self._monitor.start()
+
+    @staticmethod
+    def _watch(runner_ref) -> None:
+        # A weak reference: an abandoned runner is still garbage collected (and its tasks
+        # stopped).
+        while True:
+            runner = runner_ref()
+            if runner is None or runner._closed:
+                return
+            runner._supervise()
+            del runner
+            time.sleep(_POLL_INTERVAL)
 
     def _supervise(self) -> None:
         """Notes exits, restarts failed tasks, and stops everything when it is time."""
@@ -440,17 +455,6 @@ class MultiProcessRunner:
             return self._terminate_grace
         _check_seconds(grace=grace)
         return grace
-
-
-def _monitor(runner_ref) -> None:
-    # A weak reference: an abandoned runner is still garbage collected (and its tasks stopped).
-    while True:
-        runner = runner_ref()
-        if runner is None or runner._closed:
-            return
-        runner._supervise()
-        del runner
-        time.sleep(_POLL_INTERVAL)
 
 
 def _clean_up(processes, workdir) -> None:

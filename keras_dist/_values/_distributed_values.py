@@ -21,6 +21,8 @@ import jax
 import keras
 import numpy as np
 
+from keras_dist._keras import same_variable
+
 
 class DistributedValues:
     """Base class for a value with one component per replica.
@@ -182,7 +184,7 @@ def _delegate(op, reflected=False):
 
 
 def _unwrap(value):
-    return value._primary if isinstance(value, DistributedDelegate) else value
+    return value.values[0] if isinstance(value, DistributedDelegate) else value
 
 
 _BINARY = {
@@ -302,8 +304,8 @@ def regroup(per_replica_structures: list, wrap=PerReplica, always_wrap=False, ke
 
 
 def _same(a, b) -> bool:
-    """The same object, or two handles of one variable (see ``_keras_hooks``)."""
-    return a is b or (_is_keras_variable(a) and _is_keras_variable(b) and a.__dict__ is b.__dict__)
+    """The same object, or two handles of one variable (``_keras.same_variable``)."""
+    return a is b or (_is_keras_variable(a) and _is_keras_variable(b) and same_variable(a, b))
 
 
 def _is_leaf(x):

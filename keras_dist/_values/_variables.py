@@ -1,7 +1,7 @@
 """Distributed variables: ``MirroredVariable`` and ``SyncOnReadVariable``.
 
 A Keras variable created under a strategy is given one of these classes by the
-strategy's variable policy (see ``_keras_hooks.StrategyDistribution``).
+strategy's variable policy (see ``_keras._variables.StrategyDistribution``).
 
 * ``MirroredVariable`` (``synchronization="on_write"``/``"auto"``): one logical
   value stored replicated on every device of the mesh. Writes in a replica
@@ -25,10 +25,12 @@ import keras
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._context import running_replica_context
+from keras_dist._engine_contract import ReplicaCopies
+from keras_dist._engine_contract import TracedMerge
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import current_scope
-from keras_dist._replica_context import running_replica_context
 from keras_dist._values._distributed_values import DistributedValues
 from keras_dist._values._distributed_values import PerReplica
 from keras_dist._values._distributed_values import unstack
@@ -213,7 +215,7 @@ class SyncOnReadVariable(DistributedVariable):
         frame = _context.current_frame()
         value = self.scope_value()
         if value is not None:
-            if frame.replica_context is None and frame.engine is not None:
+            if frame.replica_context is None and isinstance(frame.engine, TracedMerge):
                 value = frame.engine.aggregate_sync_on_read(self, value)
             return self._maybe_autocast(value)
         replica_context = self._replica_context()
@@ -288,7 +290,7 @@ class SyncOnReadVariable(DistributedVariable):
             return self._add_to_total(kind, value)
         if self.aggregation == "sum":
             value = jnp.asarray(value, self.dtype) / self._distribute_strategy.num_replicas_in_sync
-        if local is not None and kind != "assign" and frame.engine.holds_replica_copies:
+        if local is not None and kind != "assign" and isinstance(frame.engine, ReplicaCopies):
             # An uneven step's merge holds every replica's component: each adds to its own.
             copies = PerReplica((value,) * self._distribute_strategy.extended.num_local_replicas)
             return self._distribute_strategy.extended.update(

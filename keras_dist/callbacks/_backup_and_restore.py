@@ -23,13 +23,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from keras_dist import _context
+from keras_dist._capabilities import MeshRuntime
 from keras_dist._keras import fit_callbacks
 from keras_dist._keras import set_initial_epoch
-from keras_dist._training import model_strategy
+from keras_dist._keras_steps import model_strategy
 from keras_dist.callbacks import _monitor_state
 from keras_dist.callbacks import _preemption
-from keras_dist.callbacks import _role
 from keras_dist.callbacks import _training_state
+from keras_dist.callbacks import _writer_role
 
 
 class _SkipTrainedBatches:
@@ -176,7 +177,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             watcher, self._watcher = self._watcher, None
             watcher.finish()
         model = self.model
-        self._process_role = _role.process_role(model)
+        self._process_role = _writer_role.process_role(model)
         _SkipTrainedBatches.remove_from(model)
         self._resume = None
         self._batches_since_save = 0
@@ -274,9 +275,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
 
 def _multi_process_extended(model):
-    """The model's multi-process strategy's extended API, or None."""
+    """The model's multi-process mesh strategy's extended API, or None."""
     extended = getattr(model_strategy(model), "extended", None)
-    return extended if extended is not None and extended.spans_processes else None
+    return extended if isinstance(extended, MeshRuntime) and extended.spans_processes else None
 
 
 def _check_same_resume_point(model, restored):

@@ -11,7 +11,8 @@ import os
 import keras
 
 from keras_dist import _atomic_files
-from keras_dist.callbacks import _role
+from keras_dist._keras import replaced_methods
+from keras_dist.callbacks import _writer_role
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
@@ -47,7 +48,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         return self._write_filepath
 
     def _save_model(self, epoch, batch, logs):
-        self._save_role = _role.process_role(self.model)
+        self._save_role = _writer_role.process_role(self.model)
         self._write_filepath = None
         try:
             with _saving_atomically(self.model):
@@ -70,12 +71,6 @@ def _saving_atomically(model):
 
         return write
 
-    # Set on the instance's __dict__: Keras's attribute tracking is not involved.
     originals = {name: getattr(model, name) for name in ("save", "save_weights")}
-    for name, save in originals.items():
-        model.__dict__[name] = atomic(save)
-    try:
+    with replaced_methods(model, {name: atomic(save) for name, save in originals.items()}):
         yield
-    finally:
-        for name in originals:
-            model.__dict__.pop(name, None)

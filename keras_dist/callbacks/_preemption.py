@@ -10,8 +10,8 @@ platform restarts on. Its default outside Google Cloud is 42, kept here.
   sync manager tells every process the same batch to stop at, through
   ``multihost_utils.reached_preemption_sync_point``, asked at every batch end.
   The notifier hears ``SIGTERM`` only while such a ``fit`` runs: keras_dist
-  takes the signal back from it when it starts ``jax.distributed`` (DESIGN
-  §8 and §12: otherwise SIGTERM would never end the process), and hands it
+  takes the signal back from it when it starts ``jax.distributed`` (otherwise
+  SIGTERM would never end the process; ``docs/architecture.md``, "A jaxlib hazard"), and hands it
   over here for the length of the ``fit``.
 """
 

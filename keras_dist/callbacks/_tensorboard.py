@@ -18,7 +18,7 @@ import warnings
 import keras
 import numpy as np
 
-from keras_dist.callbacks import _role
+from keras_dist.callbacks import _writer_role
 
 
 class TensorBoard(keras.callbacks.Callback):
@@ -94,7 +94,7 @@ class TensorBoard(keras.callbacks.Callback):
     def set_model(self, model):
         super().set_model(model)
         self._close_writers()
-        self._is_writer = _role.process_role(model).is_chief
+        self._is_writer = _writer_role.process_role(model).is_chief
 
     # ---------------------------------------------------------------- writers
     def _writer(self, run):

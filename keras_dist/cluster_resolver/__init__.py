@@ -34,7 +34,7 @@ from keras_dist.cluster_resolver._slurm import SlurmClusterResolver as SlurmClus
 from keras_dist.cluster_resolver._tf_config import (
     TFConfigClusterResolver as TFConfigClusterResolver,
 )
-from keras_dist.cluster_resolver._tpu import TPUClusterResolver as TPUClusterResolver
+from keras_dist.cluster_resolver._tpu_resolver import TPUClusterResolver as TPUClusterResolver
 from keras_dist.cluster_resolver._union import UnionClusterResolver as UnionClusterResolver
 from keras_dist.cluster_resolver._union import UnionResolver as UnionResolver
 

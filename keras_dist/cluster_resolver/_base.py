@@ -12,7 +12,7 @@ import re
 import jax
 
 
-def _format_master_url(master, rpc_layer=None):
+def format_master_url(master, rpc_layer=None):
     return f"{rpc_layer}://{master}" if rpc_layer else master
 
 
@@ -52,7 +52,7 @@ class ClusterResolver(abc.ABC):
         if task_type is None or task_id is None:
             return ""
         address = self.cluster_spec().task_address(task_type, task_id)
-        return _format_master_url(address, rpc_layer)
+        return format_master_url(address, rpc_layer)
 
     @property
     def environment(self):

@@ -8,7 +8,7 @@ both build on ``_CoordinatorClusterResolver``.
 import os
 
 from keras_dist.cluster_resolver._base import ClusterResolver
-from keras_dist.cluster_resolver._base import _format_master_url
+from keras_dist.cluster_resolver._base import format_master_url
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 
 
@@ -33,7 +33,7 @@ class _CoordinatorClusterResolver(ClusterResolver):
 
     def master(self, task_type=None, task_id=None, rpc_layer=None):
         """The coordinator's address (the only one known)."""
-        return _format_master_url(self.coordinator_address, rpc_layer or self.rpc_layer)
+        return format_master_url(self.coordinator_address, rpc_layer or self.rpc_layer)
 
 
 class KubeflowClusterResolver(_CoordinatorClusterResolver):
@@ -82,7 +82,7 @@ _KUBEFLOW_SETS = (
     ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
 )
 _KUBEFLOW_VARS = {"COORDINATOR_PORT", *(name for names in _KUBEFLOW_SETS for name in names)}
-_KERAS_VARS = (
+KERAS_VARS = (
     "KERAS_DISTRIBUTION_JOB_ADDRESSES",
     "KERAS_DISTRIBUTION_NUM_PROCESSES",
     "KERAS_DISTRIBUTION_PROCESS_ID",
@@ -105,7 +105,7 @@ class KerasDistributionClusterResolver(_CoordinatorClusterResolver):
 
     def __init__(self, *, environ=None):
         env = os.environ if environ is None else environ
-        missing = [name for name in _KERAS_VARS if not env.get(name)]
+        missing = [name for name in KERAS_VARS if not env.get(name)]
         if missing:
             raise ValueError(
                 f"Keras's distribution variables are not all set. Received: missing={missing}"

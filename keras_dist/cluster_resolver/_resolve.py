@@ -2,7 +2,7 @@
 
 import os
 
-from keras_dist.cluster_resolver._coordinator import _KERAS_VARS
+from keras_dist.cluster_resolver._coordinator import KERAS_VARS
 from keras_dist.cluster_resolver._coordinator import KerasDistributionClusterResolver
 from keras_dist.cluster_resolver._coordinator import KubeflowClusterResolver
 from keras_dist.cluster_resolver._slurm import SlurmClusterResolver
@@ -26,7 +26,7 @@ def resolve_cluster(environ=None):
     tf_config = TFConfigClusterResolver(environ=env)
     if tf_config.cluster_spec():
         return tf_config
-    if all(env.get(name) for name in _KERAS_VARS):
+    if all(env.get(name) for name in KERAS_VARS):
         return KerasDistributionClusterResolver(environ=env)
     if KubeflowClusterResolver.detect(env):
         return KubeflowClusterResolver(environ=env)

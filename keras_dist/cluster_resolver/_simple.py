@@ -1,7 +1,7 @@
 """``SimpleClusterResolver``: a resolver that returns the cluster it was given."""
 
 from keras_dist.cluster_resolver._base import ClusterResolver
-from keras_dist.cluster_resolver._base import _format_master_url
+from keras_dist.cluster_resolver._base import format_master_url
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 
 
@@ -45,7 +45,7 @@ class SimpleClusterResolver(ClusterResolver):
             master = self._cluster_spec.task_address(task_type, task_id)
         else:
             master = self._master
-        return _format_master_url(master, rpc_layer or self.rpc_layer)
+        return format_master_url(master, rpc_layer or self.rpc_layer)
 
     @property
     def environment(self):

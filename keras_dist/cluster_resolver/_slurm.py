@@ -7,7 +7,7 @@ import os
 import re
 
 from keras_dist.cluster_resolver._base import ClusterResolver
-from keras_dist.cluster_resolver._base import _format_master_url
+from keras_dist.cluster_resolver._base import format_master_url
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 
 
@@ -114,7 +114,7 @@ class SlurmClusterResolver(ClusterResolver):
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
         address = self.cluster_spec().task_address(task_type, task_id)
-        return _format_master_url(address, rpc_layer or self.rpc_layer)
+        return format_master_url(address, rpc_layer or self.rpc_layer)
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
         """``{"GPU": gpus_per_task}`` when given, else the counted local accelerators."""

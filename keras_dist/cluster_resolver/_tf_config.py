@@ -4,7 +4,7 @@ import json
 import os
 
 from keras_dist.cluster_resolver._base import ClusterResolver
-from keras_dist.cluster_resolver._base import _format_master_url
+from keras_dist.cluster_resolver._base import format_master_url
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 
 
@@ -97,7 +97,7 @@ class TFConfigClusterResolver(ClusterResolver):
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
         rpc_layer = self.rpc_layer if rpc_layer is None else rpc_layer
-        return _format_master_url(spec.task_address(task_type, task_id), rpc_layer)
+        return format_master_url(spec.task_address(task_type, task_id), rpc_layer)
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None):
         """Accelerators of a task, by default the ``TF_CONFIG`` task."""

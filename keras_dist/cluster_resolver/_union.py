@@ -1,7 +1,7 @@
 """``UnionClusterResolver`` (and its TF alias ``UnionResolver``): merges several clusters."""
 
 from keras_dist.cluster_resolver._base import ClusterResolver
-from keras_dist.cluster_resolver._base import _format_master_url
+from keras_dist.cluster_resolver._base import format_master_url
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 
 
@@ -95,7 +95,7 @@ class UnionClusterResolver(ClusterResolver):
         """The address of ``task_type``/``task_id`` in the union, else the first's master."""
         if task_type is not None and task_id is not None:
             master = self.cluster_spec().task_address(task_type, task_id)
-            return _format_master_url(master, rpc_layer or self.rpc_layer)
+            return format_master_url(master, rpc_layer or self.rpc_layer)
         return self._resolvers[0].master(rpc_layer=rpc_layer)
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None):

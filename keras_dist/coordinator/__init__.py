@@ -7,13 +7,17 @@ The counterpart of ``tf.distribute.coordinator`` (also ``kd.experimental.coordin
 (1, 2)
 """
 
-from keras_dist._ps import PerWorkerValues as PerWorkerValues
-from keras_dist._ps import RemoteValue as RemoteValue
-from keras_dist.coordinator._cluster_coordinator import ClusterCoordinator as ClusterCoordinator
-from keras_dist.coordinator._cluster_coordinator import (
+from keras_dist.parameter_server.scheduling._cluster_coordinator import (
+    ClusterCoordinator as ClusterCoordinator,
+)
+from keras_dist.parameter_server.scheduling._cluster_coordinator import (
     experimental_get_current_worker_index as experimental_get_current_worker_index,
 )
-from keras_dist.coordinator._worker import ClosureInputError as ClosureInputError
+from keras_dist.parameter_server.scheduling._per_worker import PerWorkerValues as PerWorkerValues
+from keras_dist.parameter_server.scheduling._remote_value import RemoteValue as RemoteValue
+from keras_dist.parameter_server.scheduling._worker_thread import (
+    ClosureInputError as ClosureInputError,
+)
 
 PerWorkerValue = PerWorkerValues
 

@@ -53,7 +53,12 @@ class FileDataset:
         for path in self.files:
             yield from self.reader(path)
 
-    def _shard_files(self, num_shards, index):
+    def shard_files(self, num_shards: int, index: int) -> "FileDataset":
+        """The dataset of every ``num_shards``-th file from ``index`` (FILE auto-sharding).
+
+        >>> FileDataset(["a", "b", "c"], reader=lambda path: [path]).shard_files(2, 1).files
+        ['b']
+        """
         return FileDataset(self.files[index::num_shards], self.reader)
 
 
@@ -131,10 +136,10 @@ def auto_shard(dataset, input_context=None, *, num_shards=None, index=None):
                 f"Received: {type(dataset).__name__}"
             )
         _check_enough_files(dataset, num_shards)
-        return dataset._shard_files(num_shards, index)
+        return dataset.shard_files(num_shards, index)
     if policy is AutoShardPolicy.AUTO:
         if isinstance(dataset, FileDataset) and len(dataset.files) >= num_shards:
-            return dataset._shard_files(num_shards, index)
+            return dataset.shard_files(num_shards, index)
         warnings.warn(
             "AutoShardPolicy.AUTO could not shard the dataset by files (it is not a "
             "FileDataset with at least one file per worker); falling back to DATA: each "

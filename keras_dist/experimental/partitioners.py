@@ -5,10 +5,16 @@
 [2, 1]
 """
 
-from keras_dist._ps._partitioners import FixedShardsPartitioner as FixedShardsPartitioner
-from keras_dist._ps._partitioners import MaxSizePartitioner as MaxSizePartitioner
-from keras_dist._ps._partitioners import MinSizePartitioner as MinSizePartitioner
-from keras_dist._ps._partitioners import Partitioner as Partitioner
+from keras_dist.parameter_server.variables._partitioners import (
+    FixedShardsPartitioner as FixedShardsPartitioner,
+)
+from keras_dist.parameter_server.variables._partitioners import (
+    MaxSizePartitioner as MaxSizePartitioner,
+)
+from keras_dist.parameter_server.variables._partitioners import (
+    MinSizePartitioner as MinSizePartitioner,
+)
+from keras_dist.parameter_server.variables._partitioners import Partitioner as Partitioner
 
 __all__ = [
     "FixedShardsPartitioner",

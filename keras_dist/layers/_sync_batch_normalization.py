@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from keras_dist._replica_context import running_replica_context
+from keras_dist._context import running_replica_context
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):

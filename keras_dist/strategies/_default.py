@@ -14,7 +14,6 @@ from keras_dist._replica_context import ReplicaContext
 from keras_dist._values import DistributedValues
 from keras_dist._values._value_context import ValueContext
 from keras_dist.strategies._extended import StrategyExtended
-from keras_dist.strategies._extended import require_cross_replica
 from keras_dist.strategies._strategy import Strategy
 
 
@@ -37,6 +36,7 @@ class _DefaultExtended(StrategyExtended):
 
     @property
     def default_replica_context(self):
+        """The replica context code outside any ``run`` is in (TF's default one)."""
         return self._default_replica_context
 
     def call_for_each_replica(self, fn, args=(), kwargs=None, *, eagerly=False):
@@ -47,23 +47,17 @@ class _DefaultExtended(StrategyExtended):
         with _context.push(_context.Frame(frame.strategy, self._default_replica_context)):
             return fn(*args, **kwargs)
 
-    def reduce_to(self, reduce_op, value, destinations, options=None):
-        ReduceOp.from_value(reduce_op)
-        require_cross_replica("reduce_to")
+    def _reduce_to(self, reduce_op, value, destinations, options):
         return _only_value(value)
 
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-        ReduceOp.from_value(reduce_op)
-        require_cross_replica("batch_reduce_to")
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         return [_only_value(v) for v, _ in value_destination_pairs]
 
-    def broadcast_to(self, tensor, destinations):
-        require_cross_replica("broadcast_to")
+    def _broadcast_to(self, tensor, destinations):
         return tensor
 
-    def update(self, var, fn, args=(), kwargs=None, group=True):
-        require_cross_replica("update")
-        return fn(var, *args, **(kwargs or {}))
+    def _update(self, var, fn, args, kwargs, group):
+        return fn(var, *args, **kwargs)
 
     def reduce_value(self, reduce_op, value, axis):
         value = _only_value(value)
@@ -103,7 +97,7 @@ class _DefaultStrategy(Strategy):
 
 
 _DEFAULT = _DefaultStrategy()
-_context.set_default_strategy(_DEFAULT)
+_context.set_default_strategy(_DEFAULT, _DEFAULT.extended.default_replica_context)
 
 
 def default_strategy() -> Strategy:

@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keras_dist import _config
 from keras_dist import _context
+from keras_dist._capabilities import MeshRuntime
 from keras_dist._cross_device_ops import CrossDeviceOps
 from keras_dist._cross_device_ops import select_cross_device_ops
 from keras_dist._devices import device_name
@@ -23,6 +23,7 @@ from keras_dist._engine import EagerEngine
 from keras_dist._engine import LogicalDevicesEngine
 from keras_dist._engine import UnevenEngine
 from keras_dist._engine import run_inline
+from keras_dist._engine_contract import TracedMerge
 from keras_dist._keras import StrategyDistribution
 from keras_dist._mesh import replica_mesh
 from keras_dist._reduce_op import ReduceOp
@@ -31,14 +32,14 @@ from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
 from keras_dist._values._value_context import ValueContext
 from keras_dist._values._variables import SyncOnReadVariable
+from keras_dist.config import _switches as _config
 from keras_dist.strategies import _mesh_reductions
 from keras_dist.strategies._extended import StrategyExtended
-from keras_dist.strategies._extended import require_cross_replica
 from keras_dist.strategies._placement import Placement
 from keras_dist.strategies._variable_registry import VariableRegistry
 
 
-class MeshExtended(StrategyExtended):
+class MeshExtended(StrategyExtended, MeshRuntime):
     """Extended API over a ``(replica, logical)`` mesh of devices.
 
     ``devices`` are this process's replicas. ``mesh_devices``, when given, are
@@ -171,7 +172,7 @@ class MeshExtended(StrategyExtended):
         if frame.strategy is strategy and frame.replica_context is not None:
             # Nested run inside one of our replicas: just call it.
             return fn(*args, **kwargs)
-        if frame.strategy is strategy and frame.engine is not None and frame.engine.compiled:
+        if frame.strategy is strategy and isinstance(frame.engine, TracedMerge):
             # From a merge_fn inside a compiled trace: the trace's replicas run it.
             return frame.engine.call_for_each_replica(fn, args, kwargs)
         function_trace = _context.current_function_trace()
@@ -200,12 +201,10 @@ class MeshExtended(StrategyExtended):
     def cross_device_ops(self) -> CrossDeviceOps:
         return self._cross_device_ops
 
-    def reduce_to(self, reduce_op, value, destinations, options=None):
-        return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        return self._batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
 
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-        reduce_op = ReduceOp.from_value(reduce_op)
-        require_cross_replica("batch_reduce_to")
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         values = [v for v, _ in value_destination_pairs]
         engine = _engine_of_traced(values)
         if engine is not None:
@@ -269,8 +268,7 @@ class MeshExtended(StrategyExtended):
         value = replicated.addressable_data(0)
         return Mirrored(tuple(jax.device_put(value, d) for d in devices), _validate=False)
 
-    def broadcast_to(self, tensor, destinations):
-        require_cross_replica("broadcast_to")
+    def _broadcast_to(self, tensor, destinations):
         if isinstance(tensor, DistributedValues):
             tensor = self.unwrap_mirrored(tensor)
         if _context.current_function_trace() is not None or isinstance(tensor, jax.core.Tracer):
@@ -278,9 +276,7 @@ class MeshExtended(StrategyExtended):
             return self._traced_mirrored(jnp.asarray(tensor))
         return self._place(self._placement.replicate(jnp.asarray(tensor)), destinations)
 
-    def update(self, var, fn, args=(), kwargs=None, group=True):
-        require_cross_replica("update")
-        kwargs = kwargs or {}
+    def _update(self, var, fn, args, kwargs, group):
         frame = _context.current_frame()
         strategy = self._container_strategy()
         per_replica = [
@@ -289,7 +285,7 @@ class MeshExtended(StrategyExtended):
             if isinstance(a, PerReplica)
         ]
         if per_replica and isinstance(var, SyncOnReadVariable):
-            if frame.engine is not None and frame.engine.compiled:
+            if isinstance(frame.engine, TracedMerge):
                 return frame.engine.update_component(var, fn, args, kwargs)
             return self._eager.update_components(var, fn, args, kwargs)
         args, kwargs = jax.tree_util.tree_map(self.unwrap_mirrored, (args, kwargs), is_leaf=_is_dv)

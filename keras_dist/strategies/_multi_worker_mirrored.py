@@ -263,6 +263,11 @@ class MultiWorkerExtended(MeshExtended):
         super().__init__(container_strategy, local, mesh_devices=everyone, executor=executor)
 
     @property
+    def layout(self):
+        """The cluster as this worker sees it (workers, this task, the coordinator)."""
+        return self._layout
+
+    @property
     def num_workers(self) -> int:
         return self._layout.num_workers
 
@@ -349,7 +354,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._cluster_resolver
 
     def __repr__(self):
-        layout = self._extended._layout
+        layout = self._extended.layout
         return (
             f"MultiWorkerMirroredStrategy(workers={layout.num_workers}, "
             f"task={layout.task_type}:{layout.task_id}, "

@@ -12,7 +12,7 @@ Two ways to run, as in TF:
 
 In a ``ps`` task, creating the strategy serves the task's variables until the
 job ends, so one program can run on every task. The runtime (servers,
-transport, programs) is ``keras_dist._ps``.
+transport, programs) is ``keras_dist.parameter_server``.
 """
 
 import logging
@@ -23,20 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from keras_dist import _context
-from keras_dist._engine._interface import ReplicaEngine
+from keras_dist._capabilities import RemoteScheduling
+from keras_dist._engine_contract import ReplicaEngine
 from keras_dist._keras import StrategyDistribution
 from keras_dist._keras import set_variable_class
 from keras_dist._keras import slot_reference
-from keras_dist._ps import Location
-from keras_dist._ps import ParameterServers
-from keras_dist._ps import PSVariable
-from keras_dist._ps import Server
-from keras_dist._ps import Shard
-from keras_dist._ps import ps_device
-from keras_dist._ps._partitioners import shard_rows
-from keras_dist._ps._program import ProgramCache
-from keras_dist._ps._trace import current_trace
-from keras_dist._ps._variable import PartitionedVariable
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
 from keras_dist._values import DistributedValues
@@ -44,9 +35,19 @@ from keras_dist._values._value_context import ValueContext
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.cluster_resolver import TFConfigClusterResolver
 from keras_dist.cluster_resolver._role import ProcessRole
+from keras_dist.parameter_server._data import DirectDataset
+from keras_dist.parameter_server._fit import ParameterServerSteps
+from keras_dist.parameter_server.scheduling._program_cache import ProgramCache
+from keras_dist.parameter_server.scheduling._trace import current_trace
+from keras_dist.parameter_server.tasks._server import Server
+from keras_dist.parameter_server.variables._client import Location
+from keras_dist.parameter_server.variables._client import ParameterServers
+from keras_dist.parameter_server.variables._client import Shard
+from keras_dist.parameter_server.variables._client import ps_device
+from keras_dist.parameter_server.variables._partitioners import shard_rows
+from keras_dist.parameter_server.variables._ps_variable import PartitionedVariable
+from keras_dist.parameter_server.variables._ps_variable import PSVariable
 from keras_dist.strategies._extended import StrategyExtended
-from keras_dist.strategies._parameter_server_data import DirectDataset
-from keras_dist.strategies._parameter_server_fit import ParameterServerSteps
 from keras_dist.strategies._strategy import Strategy
 
 logger = logging.getLogger("keras_dist")
@@ -109,13 +110,13 @@ def _one(value):
     return value
 
 
-class ParameterServerExtended(StrategyExtended):
+class ParameterServerExtended(StrategyExtended, RemoteScheduling):
     """The contract for ``ParameterServerStrategy``: variables on ps tasks, one replica each."""
 
     def __init__(self, strategy, resolver, variable_partitioner):
         super().__init__(strategy)
         self.cluster_resolver = resolver
-        self.cluster_spec = ClusterSpec(resolver.cluster_spec())
+        self._cluster_spec = ClusterSpec(resolver.cluster_spec())
         # A coordinator outside the cluster's jobs (no task type) writes as the chief.
         has_task = resolver.task_type is not None and resolver.task_id is not None
         self._role = (
@@ -123,7 +124,7 @@ class ParameterServerExtended(StrategyExtended):
             if has_task
             else ProcessRole()
         )
-        self.parameter_servers = ParameterServers(self.cluster_spec)
+        self._parameter_servers = ParameterServers(self.cluster_spec)
         if resolver.task_type != "ps":
             # Tasks start in any order: wait for the ps tasks, as TF's workers do.
             self.parameter_servers.wait_until_ready(_PS_START_TIMEOUT)
@@ -139,13 +140,33 @@ class ParameterServerExtended(StrategyExtended):
         self._distribution = StrategyDistribution(strategy)
         self._engine = _OneReplica()
         self._warned = False
-        self.programs = ProgramCache(strategy)
-        self.coordinator = None  # the strategy's ClusterCoordinator, once made
+        self._programs = ProgramCache(strategy)
+        self._coordinator = None  # the strategy's ClusterCoordinator, once made
         self._settle = None  # waits for fit's scheduled steps before a read here
         # Workers may start a step from the values their previous step got back
         # while this stays the same; a join or a write here changes it.
-        self.consistency_epoch = 0
+        self._consistency_epoch = 0
         self._steps = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------ the cluster's runtime
+    @property
+    def cluster_spec(self) -> ClusterSpec:
+        return self._cluster_spec
+
+    @property
+    def parameter_servers(self) -> ParameterServers:
+        return self._parameter_servers
+
+    @property
+    def programs(self) -> ProgramCache:
+        return self._programs
+
+    @property
+    def coordinator(self):
+        return self._coordinator
+
+    def attach_coordinator(self, coordinator) -> None:
+        self._coordinator = coordinator
 
     # ------------------------------------------------- replicas and devices
     @property
@@ -255,9 +276,13 @@ class ParameterServerExtended(StrategyExtended):
             steps = self._steps[model] = ParameterServerSteps(model, self.container_strategy)
         return steps
 
+    @property
+    def consistency_epoch(self) -> int:
+        return self._consistency_epoch
+
     def new_consistency_epoch(self) -> None:
         """Makes the next scheduled functions read every variable afresh."""
-        self.consistency_epoch += 1
+        self._consistency_epoch += 1
 
     def set_settle(self, settle) -> None:
         """What to wait for before the coordinator reads a variable (fit's steps)."""
@@ -279,7 +304,7 @@ class ParameterServerExtended(StrategyExtended):
         """The variables this strategy created that are alive and stored, in creation order."""
         live = [v for v in (r() for r in self._variables) if v is not None]
         self._variables = [weakref.ref(v) for v in live]
-        return [v for v in live if v.__dict__.get("_kd_created")]
+        return [v for v in live if v.stored_on_servers]
 
     def variable_state(self):
         return self.live_variables()
@@ -312,17 +337,17 @@ class ParameterServerExtended(StrategyExtended):
             return fn(*args, **kwargs)
 
     # --------------------------------------------- reductions and broadcasts
-    def reduce_to(self, reduce_op, value, destinations, options=None):
+    def _reduce_to(self, reduce_op, value, destinations, options):
         return _one(value)
 
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         return [_one(value) for value, _ in value_destination_pairs]
 
-    def broadcast_to(self, tensor, destinations):
+    def _broadcast_to(self, tensor, destinations):
         return tensor
 
-    def update(self, var, fn, args=(), kwargs=None, group=True):
-        return fn(var, *args, **(kwargs or {}))
+    def _update(self, var, fn, args, kwargs, group):
+        return fn(var, *args, **kwargs)
 
     def reduce_value(self, reduce_op, value, axis):
         self._warn_unless_scheduled()

@@ -13,6 +13,8 @@ import jax
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._context import running_replica_context
+from keras_dist._engine_contract import ReplicaCopies
 from keras_dist._input import DistributedDataset
 from keras_dist._input import NumpyDataset
 from keras_dist._input._host_arrays import is_tensorflow_value
@@ -20,7 +22,6 @@ from keras_dist._input._host_arrays import to_host_array
 from keras_dist._input._host_arrays import to_host_arrays
 from keras_dist._input._host_arrays import warn_if_int64_narrowed
 from keras_dist._reduce_op import ReduceOp
-from keras_dist._replica_context import running_replica_context
 from keras_dist._values import DistributedValues
 from keras_dist._values._variables import MirroredVariable
 from keras_dist._values._variables import SyncOnReadVariable
@@ -266,7 +267,7 @@ def _scope(strategy):
         )
     # The default strategy's scope changes nothing (TF's testScopeMostlyNoOp): code
     # in it stays in the default replica context, not in a cross-replica one.
-    replica_context = strategy.extended.default_replica_context
+    replica_context = _context.default_replica_context_of(strategy)
     with _context.push(_context.Frame(strategy, replica_context, entered_scope=True)):
         yield strategy
 
@@ -296,7 +297,7 @@ def _variable_copies(variable, count) -> tuple:
     if isinstance(variable, MirroredVariable):
         return (variable.value,) * count
     engine = _context.current_frame().engine
-    if engine is not None and engine.holds_replica_copies:
+    if isinstance(engine, ReplicaCopies):
         return engine.sync_on_read_components(variable)
     raise ValueError(
         "The per-replica components of a SyncOnRead variable cannot be listed inside a "

@@ -9,7 +9,7 @@ tensors over (``_logical_devices``).
 
 import jax
 
-from keras_dist.cluster_resolver._tpu import TPUClusterResolver
+from keras_dist.cluster_resolver._tpu_resolver import TPUClusterResolver
 from keras_dist.strategies._logical_devices import LogicalDevices
 from keras_dist.strategies._logical_devices import assigned_devices
 from keras_dist.strategies._mesh_extended import MeshExtended

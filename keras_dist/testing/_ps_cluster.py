@@ -13,12 +13,13 @@ from keras_dist import errors
 from keras_dist._launch import MultiProcessRunner
 from keras_dist._launch import create_cluster_spec
 from keras_dist._launch import pick_unused_port
-from keras_dist._ps import Server
-from keras_dist._ps._auth import TOKEN_ENV
-from keras_dist._ps._auth import new_token
-from keras_dist._ps._transport import RpcClient
 from keras_dist.cluster_resolver import SimpleClusterResolver
 from keras_dist.cluster_resolver import TFConfigClusterResolver
+from keras_dist.parameter_server.rpc import _protocol as protocol
+from keras_dist.parameter_server.rpc._auth import TOKEN_ENV
+from keras_dist.parameter_server.rpc._auth import new_token
+from keras_dist.parameter_server.rpc._transport import RpcClient
+from keras_dist.parameter_server.tasks._server import Server
 
 # In-process servers live as long as the process (TF's cannot be stopped either).
 _SERVERS: list = []
@@ -109,7 +110,7 @@ class MultiProcessCluster:
         try:
             while True:
                 try:
-                    client.call({"op": "ping"}, timeout=2.0)
+                    client.call(protocol.request(protocol.PING), timeout=2.0)
                     return
                 except errors.OpError:
                     if time.monotonic() > deadline:

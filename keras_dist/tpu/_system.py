@@ -10,7 +10,7 @@ import threading
 
 import jax
 
-from keras_dist.cluster_resolver._tpu import TPUClusterResolver
+from keras_dist.cluster_resolver._tpu_resolver import TPUClusterResolver
 from keras_dist.tpu._topology import Topology
 
 

@@ -18,7 +18,7 @@ import os
 
 import keras
 
-from keras_dist._replica_context import running_replica_context
+from keras_dist._context import running_replica_context
 from keras_dist.train import _format
 from keras_dist.train import _objects
 from keras_dist.train import _state
@@ -77,6 +77,42 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(self._children)})"
+
+    def tracked_objects(self) -> list:
+        """``(key, object)`` for everything this checkpoint saves, keyed as in its files.
+
+        Nested checkpoints are opened (``"inner/model"``); the save counter is
+        included once it exists.
+
+        >>> import keras, keras_dist as kd
+        >>> [key for key, _ in kd.train.Checkpoint(step=keras.Variable(0)).tracked_objects()]
+        ['step']
+        """
+        return self._leaves()
+
+    def _leaves(self, prefix: str = "", seen=None) -> list:
+        seen = set() if seen is None else seen
+        if id(self) in seen:
+            return []
+        seen.add(id(self))
+        found = []
+        if self._save_counter is not None:
+            found.append((f"{prefix}save_counter", self._save_counter))
+        for name, obj in self._children.items():
+            found += Checkpoint._walk(f"{prefix}{name}", obj, seen)
+        return found
+
+    @staticmethod
+    def _walk(key: str, obj, seen) -> list:
+        if isinstance(obj, Checkpoint):
+            return obj._leaves(f"{key}/", seen)
+        if isinstance(obj, (list, tuple)):
+            items = enumerate(obj)
+        elif isinstance(obj, dict):
+            items = obj.items()
+        else:
+            return [(key, obj)]
+        return [leaf for k, item in items for leaf in Checkpoint._walk(f"{key}/{k}", item, seen)]
 
     @property
     def save_counter(self):
@@ -218,30 +254,6 @@ def _check_trackable(name, value) -> None:
     )
 
 
-def _leaves(checkpoint: Checkpoint, prefix: str = "", seen=None) -> list:
-    """``(key, object)`` for every object under ``checkpoint``, nested checkpoints opened."""
-    seen = set() if seen is None else seen
-    if id(checkpoint) in seen:
-        return []
-    seen.add(id(checkpoint))
-    found = []
-    if checkpoint._save_counter is not None:
-        found.append((f"{prefix}save_counter", checkpoint._save_counter))
-    for name, obj in checkpoint._children.items():
-        found += _walk(f"{prefix}{name}", obj, seen)
-    return found
-
-
-def _walk(key: str, obj, seen) -> list:
-    if isinstance(obj, Checkpoint):
-        return _leaves(obj, f"{key}/", seen)
-    if isinstance(obj, (list, tuple)):
-        return [leaf for i, item in enumerate(obj) for leaf in _walk(f"{key}/{i}", item, seen)]
-    if isinstance(obj, dict):
-        return [leaf for k, item in obj.items() for leaf in _walk(f"{key}/{k}", item, seen)]
-    return [(key, obj)]
-
-
 def _variables(leaves) -> dict:
     variables = {}
     for key, obj in leaves:
@@ -259,7 +271,7 @@ def write_checkpoint(checkpoint: Checkpoint, save_path: str) -> bool:
             "`Checkpoint.save`/`write` must be called in the cross-replica context "
             "(outside `strategy.run`). Received: a call inside a replica function"
         )
-    variables = _variables(_leaves(checkpoint))
+    variables = _variables(checkpoint.tracked_objects())
     values = {key: _objects.host_value(variable) for key, variable in variables.items()}
     paths = {key: variable.path for key, variable in variables.items()}
     role = _objects.process_role(variables.values())
@@ -274,7 +286,7 @@ def write_checkpoint(checkpoint: Checkpoint, save_path: str) -> bool:
 
 def wait_for_writer(checkpoint: Checkpoint) -> None:
     """With several processes: returns once the chief has written (then all can restore)."""
-    _objects.wait_for_every_process(_variables(_leaves(checkpoint)).values())
+    _objects.wait_for_every_process(_variables(checkpoint.tracked_objects()).values())
 
 
 def _resolve(save_path: str) -> str:
@@ -291,7 +303,7 @@ def _resolve(save_path: str) -> str:
 
 def _variables_for_restore(checkpoint: Checkpoint, saved: dict, save_path: str) -> dict:
     """Every variable to restore, by key, after building what must exist first."""
-    leaves = _leaves(checkpoint)
+    leaves = checkpoint.tracked_objects()
     models = list({id(obj): obj for _, obj in leaves if _objects.is_model(obj)}.values())
     for key, obj in leaves:
         saved_count = sum(1 for k in saved if k.startswith(f"{key}/"))

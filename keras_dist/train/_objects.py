@@ -20,7 +20,7 @@ import keras
 import numpy as np
 
 from keras_dist import _context
-from keras_dist._training import model_strategy
+from keras_dist._keras_steps import model_strategy
 from keras_dist._values._variables import DistributedVariable
 from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.cluster_resolver._role import ProcessRole

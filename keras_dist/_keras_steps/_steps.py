@@ -1,0 +1,353 @@
+"""``model.fit`` / ``evaluate`` / ``predict`` of a model created under a strategy.
+
+Keras's own loops run unchanged (callbacks, progress bar, History,
+validation, ``steps_per_execution``); only the step functions differ. Each
+step runs Keras's own ``train_step`` / ``test_step`` / ``predict_step`` on
+every replica through ``strategy.run``:
+
+* The replica's loss is scaled by ``local_rows / global_rows`` for the
+  gradient (``1 / num_replicas`` for even batches, as TF), so the optimizer's
+  SUM of gradients is the gradient of the global-batch loss; regularization
+  losses are counted once. Reported losses and metrics are unscaled.
+* The optimizer's ``apply`` in a replica is the tf.distribute pattern
+  (``merge_call`` -> ``batch_reduce_to(SUM)`` -> apply once), so clipping and
+  loss scaling see the summed gradients.
+* Metrics are SyncOnRead variables; logs read them aggregated.
+* A partial last batch is split between replicas as evenly as possible, each
+  replica processing only real rows (the eager engine runs it): losses and
+  every metric (AUC, Precision, ...) equal one device's. ``predict`` pads the
+  batch and drops the padding: one output row per input row.
+
+Keras's trainer reaches these steps through the hooks in ``_keras._trainer``.
+"""
+
+import jax
+import numpy as np
+
+from keras_dist import _context
+from keras_dist._capabilities import MeshRuntime
+from keras_dist._engine import ReplicatedOutput
+from keras_dist._input import GlobalBatchSplitter
+from keras_dist._input import batch_rows
+from keras_dist._input import densify
+from keras_dist._keras import compiled_under
+from keras_dist._keras import execution_batches
+from keras_dist._keras import replaced_methods
+from keras_dist._keras import step_state
+from keras_dist._keras_steps._per_shape_steps import PerShapeSteps
+from keras_dist._values import PerReplica
+from keras_dist._values._variables import DistributedVariable
+from keras_dist._values._variables import MirroredVariable
+
+
+def model_strategy(model):
+    """The strategy a model was created (or compiled) under, or ``None``."""
+    recorded = compiled_under(model)
+    strategies = {
+        id(v.distribute_strategy): v.distribute_strategy
+        for v in model.variables
+        if isinstance(v, DistributedVariable)
+    }
+    if recorded is not None:
+        strategies.setdefault(id(recorded), recorded)
+    if len(strategies) > 1:
+        raise ValueError(
+            "The model's variables were created under different strategies. Create "
+            "the model, its optimizer and metrics in one `strategy.scope()`. "
+            f"Received: strategies={list(strategies.values())}"
+        )
+    strategy = next(iter(strategies.values()), None)
+    if strategy is not None:
+        plain = [v.path for v in model.variables if not isinstance(v, DistributedVariable)]
+        if plain:
+            raise ValueError(
+                f"Some of the model's variables were created outside `{strategy!r}.scope()` "
+                f"and cannot be distributed: {plain[:5]}. Create and build the model "
+                "inside `with strategy.scope():`. Received: variables outside the scope="
+                f"{len(plain)}"
+            )
+    return strategy
+
+
+def check_fit_context(model):
+    """Raises when a model built outside any strategy is trained inside a scope."""
+    if _context.strategy_in_effect() is not None:
+        current = _context.get_strategy()
+        raise ValueError(
+            f"This model was created outside any strategy scope, but `fit`, `evaluate` "
+            f"or `predict` was called inside `{current!r}.scope()`. Create the model "
+            "(and compile it) inside `with strategy.scope():` so that its variables are "
+            "distributed. Received: a model with plain Keras variables."
+        )
+
+
+def _replicated_logs(logs):
+    """Logs are read from aggregated metrics: the same on every replica, returned once."""
+    replica_context = _context.current_frame().replica_context
+    if replica_context is None or replica_context.eager_index is not None:
+        return logs
+    return jax.tree_util.tree_map(ReplicatedOutput, logs)
+
+
+def _first_component(value):
+    """One replica's log value (eager runs give one per replica)."""
+    if isinstance(value, PerReplica):
+        return value.values[0]
+    return value
+
+
+def check_same_batches_on_every_worker(extended, layout) -> None:
+    """Fails clearly when the workers' data would give them different steps.
+
+    Every worker reads the same global batches and keeps its replicas' pieces;
+    a worker with more batches, or another partial last batch, would wait in a
+    collective the others never join (gloo then aborts: "Received data size
+    doesn't match"). One small collective per epoch compares the layouts.
+    """
+    if not (isinstance(extended, MeshRuntime) and extended.spans_processes):
+        return
+    mine = np.asarray([-1 if v is None else int(v) for v in layout], np.int64)
+    rows = np.zeros((extended.num_workers, len(mine)), np.int64)
+    rows[extended.worker_index] = mine
+    everyone = np.asarray(extended.placement.cross_process_sum(rows))
+    if (everyone == everyone[0]).all():
+        return
+
+    def describe(row):
+        steps, batch, last = (None if v < 0 else int(v) for v in row)
+        text = f"{steps} batches of {batch} rows"
+        return text + (f" (the last of {last})" if last else "")
+
+    raise ValueError(
+        "The workers were given different data: every worker must pass the same "
+        "inputs to `fit`/`evaluate`/`predict` (each keeps its replicas' pieces of every "
+        "global batch), with the same batch size and steps. Give each worker the whole "
+        "dataset, or use `distribute_datasets_from_function` for per-worker data. "
+        "Received: " + "; ".join(f"worker {i}: {describe(row)}" for i, row in enumerate(everyone))
+    )
+
+
+class DistributedSteps:
+    """The train/test/predict functions Keras's loops call, for one model and strategy."""
+
+    def __init__(self, model, strategy):
+        self.model = model
+        self.strategy = strategy
+        self._split = GlobalBatchSplitter(strategy.extended, on_host=True)
+        self._predict_rows = None
+        self._uneven = PerShapeSteps(model, strategy)
+        # One function object each, so that the compiled engine caches their programs.
+        self._train_steps = _multi_step(self._replica_train_step, with_rows=True)
+        self._test_steps = _multi_step(self._replica_test_step, with_rows=False)
+
+    # Keras's loops call ``fn(state, iterator)`` and unpack ``(logs, state)``;
+    # our state lives in the variables, so ``state`` passes through untouched.
+    def train_function(self, state, iterator):
+        return self._loop(self._train_batch, self._train_steps, iterator), state
+
+    def test_function(self, state, iterator):
+        return self._loop(self._test_batch, self._test_steps, iterator), state
+
+    def predict_function(self, state, iterator):
+        outputs = [self._predict_batch(data) for data in self._batches(iterator)]
+        if len(outputs) == 1:
+            return outputs[0], state
+        return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs), state
+
+    def _batches(self, iterator) -> list:
+        return [densify(batch) for batch in execution_batches(self.model, iterator)]
+
+    def _run(self, fn, *args):
+        """``strategy.run``; eagerly when the model was compiled with ``run_eagerly=True``."""
+        if self.model.run_eagerly or not self.model.jit_compile:
+            return self.strategy.extended.call_for_each_replica(fn, args, {}, eagerly=True)
+        return self.strategy.run(fn, args=args)
+
+    def _loop(self, step, multi_step, iterator):
+        batches = self._batches(iterator)
+        splits = [None] * len(batches)  # each step splits its own batch
+        if len(batches) > 1 and not (self.model.run_eagerly or not self.model.jit_compile):
+            # ``steps_per_execution``: the steps of equal, even batches run as one
+            # compiled call, as Keras's jitted multi-step function and TF's do.
+            splits = [self._split(data) for data in batches]
+            if _same_even_layout(splits):
+                rows = tuple(_nonempty_rows(data, "`model.fit`") for data in batches)
+                return self._logs(self._run(multi_step, splits, rows))
+        logs = None
+        for data, split in zip(batches, splits):
+            logs = step(data, split)
+        return logs
+
+    # ------------------------------------------------------------------ train
+    def _train_batch(self, data, split=None):
+        rows = _nonempty_rows(data, "`model.fit`")
+        split = self._split(data) if split is None else split
+        if self._is_uneven(split):
+            return self._uneven.train(split, rows)
+        logs = self._run(self._replica_train_step, split, rows)
+        return self._logs(logs)
+
+    def _is_uneven(self, split) -> bool:
+        """A batch that does not split evenly, outside debugging (``run_eagerly``)."""
+        if self.model.run_eagerly or not self.model.jit_compile:
+            return False
+        return _had_uneven(split) and self._uneven.supports(self.model)
+
+    def _replica_train_step(self, data, global_rows):
+        model = self.model
+        state = step_state(model, "train")
+        scale = batch_rows(data) / global_rows
+        with _scaled_loss(model.optimizer, scale):
+            logs, new_state = model.train_step(state, data)
+        _assign(model.trainable_variables, new_state[0])
+        _assign(model.non_trainable_variables, new_state[1])
+        _assign(model.optimizer.variables, new_state[2])
+        _assign(model.metrics_variables, new_state[3])
+        return _replicated_logs(logs)
+
+    # ------------------------------------------------------------------- test
+    def _test_batch(self, data, split=None):
+        _nonempty_rows(data, "`model.evaluate` (or `fit`'s validation)")
+        split = self._split(data) if split is None else split
+        if self._is_uneven(split):
+            return self._uneven.test(split)
+        logs = self._run(self._replica_test_step, split)
+        return self._logs(logs)
+
+    def _replica_test_step(self, data):
+        model = self.model
+        state = step_state(model, "test")
+        logs, new_state = model.test_step(state, data)
+        _assign(model.non_trainable_variables, new_state[1])
+        _assign(model.metrics_variables, new_state[2])
+        return _replicated_logs(logs)
+
+    def _logs(self, per_replica_logs):
+        """Logs of a compiled step are aggregated in it; eager ones are read after."""
+        if _had_uneven(per_replica_logs) or self.model.run_eagerly or not self.model.jit_compile:
+            return self.model.get_metrics_result()
+        return jax.tree_util.tree_map(
+            _first_component, per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+
+    # ---------------------------------------------------------------- predict
+    def _predict_batch(self, data):
+        rows = _nonempty_rows(data, "`model.predict`")
+        extended = self.strategy.extended
+        n = extended.num_replicas_in_sync
+        # Pad to the first batch's size (one compiled program for every batch,
+        # the last included), rounded up to a multiple of the replica count.
+        if self._predict_rows is None or rows > self._predict_rows:
+            self._predict_rows = -(-rows // n) * n
+        padded = jax.tree_util.tree_map(
+            lambda x: _pad_rows(np.asarray(x), self._predict_rows), data
+        )
+        outputs = self._run(self._replica_predict_step, self._split(padded))
+        return jax.tree_util.tree_map(
+            lambda v: _concatenate_replicas(extended, v)[:rows],
+            outputs,
+            is_leaf=lambda x: isinstance(x, PerReplica),
+        )
+
+    def _replica_predict_step(self, data):
+        model = self.model
+        state = step_state(model, "predict")
+        outputs, non_trainable_values = model.predict_step(state, data)
+        # Kept, as Keras keeps them: a seed generator's state moves on with each predict.
+        _assign(model.non_trainable_variables, non_trainable_values)
+        return outputs
+
+
+def _multi_step(replica_step, with_rows):
+    """A replica function running ``replica_step`` on each of several batches in turn.
+
+    ``rows`` are the batches' global row counts (a train step scales its loss by them).
+    """
+
+    def steps(datas, rows):
+        logs = None
+        for data, global_rows in zip(datas, rows):
+            logs = replica_step(data, global_rows) if with_rows else replica_step(data)
+        return logs
+
+    return steps
+
+
+def _same_even_layout(splits) -> bool:
+    """Whether split batches all have one even layout (one SPMD program takes them all)."""
+    if any(_had_uneven(split) for split in splits):
+        return False
+
+    def layout(split):
+        leaves, treedef = jax.tree_util.tree_flatten(
+            split, is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+        shapes = [np.shape(x.stacked if isinstance(x, PerReplica) else x) for x in leaves]
+        return treedef, shapes
+
+    first = layout(splits[0])
+    return all(layout(split) == first for split in splits[1:])
+
+
+def _nonempty_rows(data, caller) -> int:
+    """The rows of a global batch; 0 rows would divide the loss scale by zero."""
+    rows = batch_rows(data)
+    if rows == 0:
+        raise ValueError(
+            f"{caller} received a batch with 0 rows from its dataset. Every "
+            "batch needs at least one row: make the dataset (generator, PyDataset, "
+            "...) skip empty batches. Received: batch shapes="
+            f"{[np.shape(x) for x in jax.tree_util.tree_leaves(data)]}"
+        )
+    return rows
+
+
+def _had_uneven(per_replica_logs) -> bool:
+    return any(
+        isinstance(v, PerReplica) and v.stacked is None
+        for v in jax.tree_util.tree_leaves(
+            per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+    )
+
+
+def _pad_rows(x, rows):
+    if x.ndim == 0 or x.shape[0] == rows:
+        return x
+    padding = np.repeat(x[-1:], rows - x.shape[0], axis=0)
+    return np.concatenate([x, padding])
+
+
+def _concatenate_replicas(extended, value):
+    if isinstance(value, PerReplica):
+        if value.stacked is not None:
+            stacked = np.asarray(extended.placement.all_rows(value.stacked))
+            return stacked.reshape((-1,) + stacked.shape[2:])
+        return np.concatenate([np.asarray(c) for c in value.values])
+    return np.asarray(value)
+
+
+def _assign(variables, values):
+    """Writes the state Keras's stateless step returned back into the variables.
+
+    Mirrored state (weights, optimizer slots, counters) came out of the
+    optimizer's single cross-replica update: every replica holds the same
+    value, so it is written as it is, without the aggregation a replica's own
+    write would get (an ``only_first_replica`` counter would cost a collective).
+    """
+    for variable, value in zip(variables, values):
+        if isinstance(variable, MirroredVariable):
+            variable.plain_write("assign", value)
+        else:
+            variable.assign(value)
+
+
+def _scaled_loss(optimizer, scale):
+    """Scales the loss Keras differentiates (not the one it reports) inside a replica.
+
+    Keras's JAX ``train_step`` takes the gradient of
+    ``optimizer.scale_loss(loss)`` and reports the unscaled loss: the right
+    place to add the replica's share of the global batch.
+    """
+    original = type(optimizer).scale_loss.__get__(optimizer)
+    return replaced_methods(optimizer, {"scale_loss": lambda loss: original(loss) * scale})

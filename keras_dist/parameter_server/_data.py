@@ -1,0 +1,149 @@
+"""Datasets a ``ParameterServerStrategy`` distributes: built on the workers, not here.
+
+``strategy.distribute_datasets_from_function(fn)`` and
+``experimental_distribute_dataset(ds)`` return a ``DirectDataset``: pass it (or
+a function returning it) to ``ClusterCoordinator.create_per_worker_dataset``.
+Iterating it on the coordinator raises, as TF's does.
+"""
+
+import inspect
+import threading
+
+import jax
+import keras
+import numpy as np
+
+from keras_dist import _context
+from keras_dist._capabilities import RemoteScheduling
+from keras_dist._input import InputContext
+
+
+def _takes_context(dataset_fn) -> bool:
+    """Whether ``dataset_fn`` takes an ``InputContext`` (else nothing)."""
+    try:
+        return bool(inspect.signature(dataset_fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return True
+
+
+class DirectDataset:
+    """A dataset for the workers of a parameter-server cluster; ``iter()`` here raises."""
+
+    def __init__(self, dataset_fn):
+        self.dataset_fn = dataset_fn
+
+    def dataset_for(self, input_context: "InputContext | None" = None):
+        """The underlying dataset, built for ``input_context`` (on a worker)."""
+        context = input_context or InputContext()
+        return self.dataset_fn(context) if _takes_context(self.dataset_fn) else self.dataset_fn()
+
+    def __iter__(self):
+        raise ValueError(
+            "This dataset was distributed by a ParameterServerStrategy: its elements are "
+            "read on the workers. Pass it to `ClusterCoordinator.create_per_worker_dataset` "
+            "and call `next()` on the per-worker iterator inside a scheduled function. "
+            f"Received: iter() of {self!r} on the coordinator"
+        )
+
+
+class DatasetCreator(keras.utils.PyDataset):
+    """A dataset built by ``dataset_fn(InputContext)`` on every worker, for ``model.fit``.
+
+    TF's ``tf.keras.utils.experimental.DatasetCreator``: with
+    ``ParameterServerStrategy``, each worker builds its own pipeline and its
+    steps read from it; the coordinator reads no data. The dataset is infinite
+    as far as Keras knows: pass ``steps_per_epoch`` (and ``validation_steps``).
+
+    Args:
+        dataset_fn: a function of an ``InputContext`` (or of nothing) returning
+            an iterable of batches ``(x, y)`` or ``(x, y, sample_weight)``.
+        input_options: accepted for TF compatibility.
+
+    >>> import numpy as np
+    >>> creator = DatasetCreator(lambda context: [(np.ones((2, 1)), np.ones((2, 1)))])
+    >>> creator.num_batches is None
+    True
+    """
+
+    # Built on the workers, endless to Keras: its loops need their steps (TF's rule).
+    keras_dist_needs_steps = True
+
+    def __init__(self, dataset_fn, input_options=None):
+        super().__init__()
+        if not callable(dataset_fn):
+            raise TypeError(
+                "`DatasetCreator` needs a function that builds the dataset "
+                f"(`dataset_fn(input_context)`). Received: dataset_fn={dataset_fn!r}"
+            )
+        self.dataset_fn = dataset_fn
+        self.input_options = input_options
+        self._tokens = None
+        self._local = None  # (context, iterator) when this process reads the batches
+        # Keras may read an epoch's batches while the last epoch's reader still
+        # runs (both in threads): one ``next`` on the pipeline at a time.
+        self._reading = threading.Lock()
+
+    def __call__(self, *args, **kwargs):
+        return self.dataset_fn(*args, **kwargs)
+
+    def __getstate__(self):
+        # A copy (Keras's multiprocessing readers) starts its own pipeline.
+        state = dict(self.__dict__, _local=None)
+        state.pop("_reading")
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _reading=threading.Lock())
+
+    @property
+    def num_batches(self):
+        return None  # built on the workers; Keras needs steps_per_epoch
+
+    def __getitem__(self, index):
+        strategy = _context.get_strategy()
+        extended = strategy.extended
+        if not (isinstance(extended, RemoteScheduling) and extended.schedules_on_workers):
+            return self._next_local_batch(strategy)
+        # Keras reads this on the coordinator: tokens shaped like a batch (Keras
+        # builds its metrics from their shapes) saying "read on the worker".
+        if self._tokens is None:
+            context = InputContext()
+            dataset = (
+                self.dataset_fn(context) if _takes_context(self.dataset_fn) else (self.dataset_fn())
+            )
+            element = next(iter(dataset))
+            tokens = jax.tree_util.tree_map(lambda leaf: FromWorkers(self, leaf), element)
+            self._tokens = tuple(tokens) if isinstance(tokens, (tuple, list)) else (tokens,)
+        return self._tokens
+
+    def _next_local_batch(self, strategy):
+        """Under other strategies this process reads the pipeline itself, across epochs (TF's)."""
+        with self._reading:
+            return self._next_local_batch_locked(strategy)
+
+    def _next_local_batch_locked(self, strategy):
+        if self._local is None:
+            context = InputContext(1, 0, strategy.num_replicas_in_sync)
+            self._local = (context, iter(self._build(context)))
+        context, iterator = self._local
+        try:
+            return next(iterator)
+        except StopIteration:  # a finite pipeline: start it again
+            self._local = (context, iter(self._build(context)))
+            return next(self._local[1])
+
+    def _build(self, context):
+        return self.dataset_fn(context) if _takes_context(self.dataset_fn) else self.dataset_fn()
+
+
+class FromWorkers:
+    """A leaf of what a ``DatasetCreator`` hands Keras's loop: read on a worker.
+
+    It has the ``shape`` and ``dtype`` of the batch the worker will read.
+    """
+
+    def __init__(self, creator: DatasetCreator, leaf):
+        self.creator = creator
+        array = np.asarray(leaf)
+        self.shape = array.shape
+        self.dtype = array.dtype

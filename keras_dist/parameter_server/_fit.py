@@ -1,0 +1,169 @@
+"""``fit``, ``evaluate`` and ``predict`` on parameter servers (coordinator mode).
+
+Keras's loops stay (callbacks on the coordinator, progress bar, validation);
+each step is scheduled onto a free worker through the strategy's
+``ClusterCoordinator``: Keras's own stateless ``train_step`` runs there on
+values read from the ps tasks. Its optimizer update is applied by the ps
+tasks holding the weights (``_ps._apply``), and the rest of its new state
+goes back as deltas that the ps tasks add (counters, metric totals), so
+workers running steps at once all count: ``optimizer.iterations`` ends at
+epochs × steps exactly. In between-graph mode (a worker task running the
+program itself) the steps run in the worker's own process, asynchronously
+with the other workers. Statistics of non-trainable layers (batch norm) are
+overwritten, last writer wins. Steps run asynchronously; any read of a
+variable on the coordinator (metrics at the end of an epoch, a callback that
+reads weights) first waits for the scheduled steps.
+
+TF 2.21 with Keras 3 cannot run ``model.fit`` under ParameterServerStrategy
+at all; here NumPy, ``PyDataset``, Grain and generators work as with any
+strategy (the coordinator reads the batches and sends each to a worker), and
+a ``kd.experimental.DatasetCreator`` is read by every worker from its own
+pipeline.
+"""
+
+import jax
+import numpy as np
+
+from keras_dist._keras import execution_batches
+from keras_dist._keras import step_state
+from keras_dist.parameter_server._data import FromWorkers
+from keras_dist.parameter_server.scheduling._between_graph import LocalScheduler
+from keras_dist.parameter_server.scheduling._cluster_coordinator import ClusterCoordinator
+
+
+def _write_state(groups, old_state, new_state) -> None:
+    """Writes Keras's new state: increments, so concurrent workers' steps compose.
+
+    A value Keras left as it was is not written (nor read again: the
+    variables an optimizer updates on the ps tasks come back unchanged, and
+    their update is sent as gradients instead). Statistics of non-trainable
+    layers (batch norm) are overwritten.
+    """
+    for variables, old, new, kind in zip(
+        groups, old_state, new_state, ("add", "set", "add", "add")
+    ):
+        for variable, before, after in zip(variables, old, new):
+            if after is before:
+                continue
+            if kind == "set":
+                variable.assign(after)
+            else:
+                variable.assign_add(after - before)
+
+
+def _from_workers(batch) -> bool:
+    leaves = jax.tree_util.tree_leaves(batch)
+    return bool(leaves) and isinstance(leaves[0], FromWorkers)
+
+
+class ParameterServerSteps:
+    """The train/test/predict functions Keras's loops call under ParameterServerStrategy."""
+
+    def __init__(self, model, strategy):
+        self.model = model
+        self.strategy = strategy
+        extended = strategy.extended
+        if extended.experimental_between_graph:
+            # A worker running the program itself runs its steps here.
+            self.coordinator = LocalScheduler(strategy, extended.worker_index)
+        else:
+            self.coordinator = ClusterCoordinator(strategy)
+        self._pending: list = []
+        self._last_logs = None
+        self._iterators: dict = {}
+
+    # Keras's loops call ``fn(state, iterator)`` and unpack ``(logs, state)``.
+    def train_function(self, state, iterator):
+        steps = (self._train_step, self._train_step_on_worker_data)
+        return self._schedule(steps, iterator), state
+
+    def test_function(self, state, iterator):
+        steps = (self._test_step, self._test_step_on_worker_data)
+        return self._schedule(steps, iterator), state
+
+    def predict_function(self, state, iterator):
+        values = [
+            self.coordinator.schedule(self._predict_step, args=(b,))
+            for b in self._batches(iterator)
+        ]
+        outputs = [v.fetch() for v in values]
+        if len(outputs) == 1:
+            return outputs[0], state
+        return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs), state
+
+    def _batches(self, iterator) -> list:
+        batches = execution_batches(self.model, iterator)
+        return [b if _from_workers(b) else jax.tree_util.tree_map(np.asarray, b) for b in batches]
+
+    def _schedule(self, steps, iterator):
+        """Schedules the batches' steps; returns the logs of the latest step that finished."""
+        self.strategy.extended.set_settle(self.settle)
+        for batch in self._batches(iterator):
+            if _from_workers(batch):
+                # A DatasetCreator: the worker reads the batch from its own pipeline.
+                creator = jax.tree_util.tree_leaves(batch)[0].creator
+                args = (self._per_worker_iterator(creator),)
+                self._pending.append(self.coordinator.schedule(steps[1], args=args))
+            else:
+                self._pending.append(self.coordinator.schedule(steps[0], args=(batch,)))
+        # Enough steps queued to keep every worker busy; older ones are waited for.
+        limit = 2 * self.strategy.extended.num_workers
+        while len(self._pending) > limit or (self._last_logs is None and self._pending):
+            self._last_logs = self._pending.pop(0).fetch()
+        while self._pending and self._pending[0].done:
+            self._last_logs = self._pending.pop(0).fetch()
+        return self._last_logs
+
+    def _per_worker_iterator(self, creator):
+        """One iterator per ``DatasetCreator`` on every worker, kept across epochs (TF's)."""
+        iterator = self._iterators.get(id(creator))
+        if iterator is None or iterator[0] is not creator:
+            if not isinstance(self.coordinator, ClusterCoordinator):
+                raise ValueError(
+                    "A `DatasetCreator` is read by the workers of a `ClusterCoordinator`; a "
+                    "worker running the program itself (between-graph) takes NumPy arrays or "
+                    f"a PyDataset. Received: {creator!r}"
+                )
+            dataset = self.coordinator.create_per_worker_dataset(creator.dataset_fn)
+            iterator = self._iterators[id(creator)] = (creator, iter(dataset))
+        return iterator[1]
+
+    def settle(self) -> None:
+        """Waits for every scheduled step (before the coordinator reads a variable)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self.coordinator.join()
+            self._last_logs = pending[-1].fetch()
+
+    # ------------------------------------------------ run on the workers
+    def _train_step(self, data):
+        model = self.model
+        state = step_state(model, "train")
+        logs, new_state = model.train_step(state, data)
+        groups = (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+        _write_state(groups, state, new_state)
+        return logs
+
+    def _train_step_on_worker_data(self, iterator):
+        return self._train_step(next(iterator))
+
+    def _test_step_on_worker_data(self, iterator):
+        return self._test_step(next(iterator))
+
+    def _test_step(self, data):
+        model = self.model
+        state = step_state(model, "test")
+        logs, new_state = model.test_step(state, data)
+        _write_state((model.metrics_variables,), state[2:], new_state[2:])
+        return logs
+
+    def _predict_step(self, data):
+        model = self.model
+        state = step_state(model, "predict")
+        outputs, _ = model.predict_step(state, data)
+        return outputs

@@ -1,0 +1,1 @@
+"""Requests between tasks: the protocol, the bytes on the wire, the token, the transport."""

@@ -1,0 +1,246 @@
+"""gRPC transport: one unary method carrying ``_wire`` messages, authenticated first.
+
+``RpcServer`` serves one task at the address the cluster spec gives it (never
+``0.0.0.0`` unless the spec says so). It checks the cluster token in the call's
+metadata before it looks at the request: a request without it is refused
+(``UNAUTHENTICATED``) and logged, and nothing in it is decoded. ``RpcClient``
+calls one task with a deadline on every call, so no call can hang; a lost
+task becomes ``kd.errors.UnavailableError`` naming it.
+
+grpcio's generic handlers pass the request through as bytes (no protobuf), so
+arrays travel as raw buffers.
+"""
+
+import logging
+import threading
+
+import grpc
+
+from keras_dist import errors
+from keras_dist.parameter_server.rpc import _wire
+from keras_dist.parameter_server.rpc._auth import TOKEN_METADATA_KEY
+from keras_dist.parameter_server.rpc._auth import check_token
+from keras_dist.parameter_server.rpc._auth import cluster_token
+from keras_dist.parameter_server.rpc._auth import tls_channel_credentials
+from keras_dist.parameter_server.rpc._auth import tls_server_credentials
+from keras_dist.parameter_server.tasks._threads import DaemonThreadPool
+
+logger = logging.getLogger("keras_dist.ps")
+
+SERVICE = "keras_dist.ps.Task"
+METHOD = "Call"
+DEFAULT_TIMEOUT = 60.0
+
+_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    # A restarted task comes back at the same address: reconnect quickly.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# A server must accept the clients' keepalive pings (its default takes a ping
+# every 10 s as abuse and closes the connection with "too_many_pings").
+_SERVER_OPTIONS = _OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+# Errors a handler raises, sent back by name and raised again by the caller.
+_ERRORS = {
+    cls.__name__: cls
+    for cls in (
+        errors.CancelledError,
+        errors.InvalidArgumentError,
+        errors.NotFoundError,
+        errors.FailedPreconditionError,
+        errors.OutOfRangeError,
+        errors.UnavailableError,
+        errors.DeadlineExceededError,
+    )
+}
+
+
+class RemoteError(errors.OpError):
+    """An exception raised by a remote handler that has no ``kd.errors`` class.
+
+    ``remote_type`` is its class name; the message is the remote traceback.
+    """
+
+    def __init__(self, message, remote_type="Exception"):
+        super().__init__(message)
+        self.remote_type = remote_type
+
+
+def error_header(exc: BaseException) -> dict:
+    """``exc`` as header fields that ``raise_if_error`` raises again on the caller's side."""
+    name = type(exc).__name__
+    if isinstance(exc, errors.OpError) and name in _ERRORS:
+        return {"error": name, "message": exc.message, "tasks": list(exc.lost_tasks)}
+    return {"error": "RemoteError", "message": f"{name}: {exc}", "type": name}
+
+
+def _error_reply(exc: BaseException) -> bytes:
+    return _wire.encode(error_header(exc))
+
+
+def raise_if_error(header: dict) -> None:
+    """Raises the error a handler sent back in ``header``, if it holds one."""
+    name = header.get("error")
+    if name is None:
+        return
+    if name in _ERRORS:
+        raise _ERRORS[name](header["message"], header.get("tasks", ()))
+    raise RemoteError(header["message"], header.get("type", "Exception"))
+
+
+class RpcServer:
+    """Serves ``handler(header, arrays, blob) -> (header, arrays, blob)`` at ``address``.
+
+    The handler may also return an encoded message (``_wire.encode``).
+
+    ``credentials`` (``grpc.ssl_server_credentials``) serves over TLS; use it
+    whenever the network between tasks is not private. By default TLS comes
+    from ``KERAS_DIST_TLS_CERT``/``KERAS_DIST_TLS_KEY`` when they are set.
+    """
+
+    def __init__(self, address: str, handler, *, name: str, credentials=None, threads: int = 16):
+        self.address = address
+        self.name = name
+        self._handler = handler
+        self._credentials = credentials if credentials is not None else tls_server_credentials()
+        self._threads = threads
+        self._server = None
+        self.refused = 0  # requests refused for a missing or wrong token
+
+    def start(self) -> None:
+        """Binds ``address`` and starts serving."""
+        executor = DaemonThreadPool(self._threads, f"kd-{self.name}")
+        server = grpc.server(executor, options=_SERVER_OPTIONS)
+        method = grpc.unary_unary_rpc_method_handler(self._call)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {METHOD: method}),)
+        )
+        if self._credentials is not None:
+            port = server.add_secure_port(self.address, self._credentials)
+        else:
+            port = server.add_insecure_port(self.address)
+        if port == 0:
+            raise RuntimeError(
+                f"Could not serve {self.name} at {self.address}: the port is taken or the "
+                "host is not an address of this machine. Fix the cluster spec. "
+                f"Received: address={self.address!r}"
+            )
+        server.start()
+        self._server = server
+
+    def _call(self, request: bytes, context) -> bytes:
+        # The token is checked before the request is looked at: nothing a
+        # stranger sends is decoded, let alone unpickled.
+        if not check_token(context.invocation_metadata()):
+            self.refused += 1
+            logger.warning(
+                "%s refused a request from %s without the cluster token "
+                "(KERAS_DIST_CLUSTER_TOKEN); %d bytes dropped undecoded.",
+                self.name,
+                context.peer(),
+                len(request),
+            )
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{self.name} refused the request: it does not carry this cluster's token. "
+                "Set the same KERAS_DIST_CLUSTER_TOKEN on every task.",
+            )
+        try:
+            header, arrays, blob = _wire.decode(request)
+            reply = self._handler(header, arrays, blob)
+            # A handler may encode its reply itself (under its own lock, say).
+            return reply if isinstance(reply, bytes) else _wire.encode(*reply)
+        except Exception as exc:  # noqa: BLE001 - sent back to the caller, raised there
+            if not isinstance(exc, errors.OpError):
+                logger.debug("%s handler failed", self.name, exc_info=True)
+            return _error_reply(exc)
+
+    def stop(self, grace: "float | None" = None) -> None:
+        """Stops serving; in-flight calls get ``grace`` seconds."""
+        if self._server is not None:
+            self._server.stop(grace).wait()
+            self._server = None
+
+    def wait(self, timeout: "float | None" = None) -> bool:
+        """Blocks until the server stops (or ``timeout``); whether it stopped."""
+        if self._server is None:
+            return True
+        return self._server.wait_for_termination(timeout)
+
+
+class RpcClient:
+    """Calls one task. Thread-safe; one channel per client.
+
+    >>> client = RpcClient("127.0.0.1:1", name="/job:ps/replica:0/task:0")
+    >>> try:
+    ...     client.call({"op": "ping"}, timeout=5)
+    ... except errors.UnavailableError as e:
+    ...     e.lost_tasks
+    ('/job:ps/replica:0/task:0',)
+    """
+
+    def __init__(self, address: str, *, name: str, credentials=None, token: "str | None" = None):
+        self.address = address
+        self.name = name
+        credentials = credentials if credentials is not None else tls_channel_credentials()
+        if credentials is not None:
+            channel = grpc.secure_channel(address, credentials, options=_OPTIONS)
+        else:
+            channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._channel = channel
+        self._method = channel.unary_unary(f"/{SERVICE}/{METHOD}")
+        self._token = token
+        self._lock = threading.Lock()
+
+    def call(self, header: dict, arrays=(), blob: bytes = b"", *, timeout=DEFAULT_TIMEOUT):
+        """Sends one message and returns the reply's ``(header, arrays, blob)``.
+
+        Raises ``UnavailableError`` when the task cannot be reached,
+        ``DeadlineExceededError`` past ``timeout`` seconds, and the handler's
+        own error otherwise.
+        """
+        request = _wire.encode(header, arrays, blob)
+        token = self._token if self._token is not None else cluster_token()
+        try:
+            reply = self._method(request, timeout=timeout, metadata=((TOKEN_METADATA_KEY, token),))
+        except grpc.RpcError as exc:
+            raise self._translate(exc, header) from None
+        reply_header, reply_arrays, reply_blob = _wire.decode(reply)
+        raise_if_error(reply_header)
+        return reply_header, reply_arrays, reply_blob
+
+    def _translate(self, exc, header) -> errors.OpError:
+        code = exc.code()
+        what = f"`{header.get('op')}` call to {self.name} at {self.address}"
+        details = exc.details()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return errors.DeadlineExceededError(
+                f"The {what} did not complete in time: the task is stuck or overloaded. "
+                f"Received: {details}",
+                (self.name,),
+            )
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return errors.UnauthenticatedError(f"The {what} was refused: {details}", (self.name,))
+        if code == grpc.StatusCode.CANCELLED:
+            return errors.CancelledError(f"The {what} was cancelled. Received: {details}")
+        return errors.UnavailableError(
+            f"Task {self.name} is unavailable: the {what} failed ({code.name}). The task "
+            f"died or its address is wrong. Received: {details}",
+            (self.name,),
+        )
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()

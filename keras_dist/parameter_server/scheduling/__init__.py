@@ -1,0 +1,1 @@
+"""The coordinator's side: functions traced into programs and scheduled onto the workers."""

@@ -1,0 +1,289 @@
+"""A scheduled function traced on the coordinator into a program the workers run.
+
+TF traces a ``tf.function`` on the coordinator and sends its graph to the
+workers. Here ``fn`` (any Python callable) is traced with ``jax`` into one
+pure program per input signature:
+
+    (variable values, array arguments, per-worker iterator elements,
+     worker index) -> (results, variable writes)
+
+and serialized with ``jax.export``. A worker deserializes it once, then each
+run is: read the variables it uses from the ps tasks, run it, send its writes
+back (one request per ps task each way). No user Python object is sent.
+An optimizer's update is applied on the ps tasks holding its variables
+(``_update_tracing``): the program returns its gradients. Other writes made only by
+``assign_add``/``assign_sub`` are sent as deltas that the ps adds atomically
+(a counter bumped by N closures on N workers ends at N); others overwrite.
+
+A first trace (``jax.make_jaxpr``) finds which variables the function reads
+or writes, how often it calls ``next()`` on each iterator and its output
+structure; the exported program then takes only the variables it uses.
+"""
+
+import itertools
+import threading
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keras_dist._engine._function_key import FunctionKey
+from keras_dist._engine._function_key import static_key
+from keras_dist._keras import routing_gradients
+from keras_dist.parameter_server.rpc import _protocol as protocol
+from keras_dist.parameter_server.scheduling._per_worker import PerWorkerIterator
+from keras_dist.parameter_server.scheduling._per_worker import PerWorkerValues
+from keras_dist.parameter_server.scheduling._per_worker import TracedIterator
+from keras_dist.parameter_server.scheduling._remote_value import RemoteValue
+from keras_dist.parameter_server.scheduling._trace import ProgramTrace
+from keras_dist.parameter_server.scheduling._trace import tracing
+from keras_dist.parameter_server.scheduling._trace import used_inputs
+from keras_dist.parameter_server.scheduling._update_tracing import GradientRouter
+from keras_dist.parameter_server.scheduling._update_tracing import RoutingScope
+from keras_dist.parameter_server.scheduling._update_tracing import plan_updates
+
+_program_ids = itertools.count()
+
+
+class Program:
+    """One traced signature of a scheduled function, ready to send to workers."""
+
+    def __init__(self, blob, variables, writes, out_tree, iterator_counts, updates):
+        self.program_id = f"program{next(_program_ids)}"
+        self.blob = blob
+        self._variables = [weakref.ref(v) for v in variables]
+        # What its runs read or write on the ps tasks: a call keeps them alive.
+        held = [v for u in updates for v in [*u.held, *u.sent]]
+        self._uses = [weakref.ref(v) for v in [*variables, *held]]
+        self.locations = [v.location for v in variables]
+        self.writes = writes  # [(index into variables, kind)]
+        self.out_tree = out_tree
+        self.iterator_counts = iterator_counts  # next() calls per iterator argument
+        self.n_results = out_tree.num_leaves
+        # [(ps task, update id, how many arrays the program returns for it)]
+        self.updates = [(u.task, u.update_id, len(u.variables) + len(u.sent)) for u in updates]
+
+    def used_variables(self) -> "list | None":
+        """The variables its runs use, or ``None`` once one was freed (its id may come back)."""
+        used = [ref() for ref in self._uses]
+        return None if any(v is None for v in used) else used
+
+    def header(self) -> dict:
+        """What a worker needs besides the serialized program."""
+        return protocol.request(
+            protocol.LOAD,
+            program_id=self.program_id,
+            variables=[loc.as_json() for loc in self.locations],
+            writes=[list(w) for w in self.writes],
+            n_results=self.n_results,
+            updates=[list(u) for u in self.updates],
+        )
+
+    def results(self, flat):
+        """The function's result, rebuilt from the flat arrays a worker sent back."""
+        return jax.tree_util.tree_unflatten(self.out_tree, list(flat))
+
+
+class Call:
+    """One scheduled call: its program, array arguments and per-worker inputs."""
+
+    def __init__(self, program, args, per_worker_args, iterators, epoch=None, keep=()):
+        self.program = program
+        # The variables the program uses, held until the call has run: a model
+        # dropped while its steps are queued is freed on the ps tasks only after.
+        self.keep = keep
+        self.epoch = epoch  # the coordinator's consistency epoch when scheduled
+        self.args = args  # [(position, array)] the same for every worker
+        self.per_worker_args = per_worker_args  # [(position, PerWorkerValues)]
+        self.iterators = iterators  # [(PerWorkerIterator, count)]
+
+    def arrays_for(self, worker_index: int) -> list:
+        """The program's array arguments as worker ``worker_index`` takes them."""
+        arrays = dict(self.args)
+        for position, values in self.per_worker_args:
+            arrays[position] = np.asarray(values.values[worker_index])
+        return [arrays[i] for i in sorted(arrays)]
+
+
+def _is_special(x) -> bool:
+    return isinstance(x, (PerWorkerValues, PerWorkerIterator, RemoteValue))
+
+
+class ProgramCache:
+    """The programs traced for one strategy, by function and input signature."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._programs: dict = {}
+        self._lock = threading.Lock()
+        self.traces = 0  # how many programs were traced (tests count retraces)
+
+    def call(self, fn, args, kwargs) -> Call:
+        """Traces ``fn`` for these arguments (once per signature); the ``Call`` to send."""
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs or {}), is_leaf=_is_special)
+        signature, dynamic, per_worker, iterators = [], [], [], []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, RemoteValue):
+                raise ValueError(
+                    "A `RemoteValue` cannot be an argument of a scheduled function: its value "
+                    "is not known yet. Call `.fetch()` on it first, or pass what it depends on. "
+                    f"Received: argument {i} of the function, {leaf!r}"
+                )
+            if isinstance(leaf, PerWorkerIterator):
+                iterators.append((i, leaf))
+                signature.append(("iterator", leaf.dataset.dataset_id))
+            elif isinstance(leaf, PerWorkerValues):
+                first = np.asarray(leaf.values[0])
+                per_worker.append((i, leaf))
+                signature.append(("per_worker", first.shape, first.dtype.name))
+            elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+                array = np.asarray(leaf)
+                dynamic.append((i, array))
+                signature.append(("array", array.shape, array.dtype.name))
+            else:
+                signature.append(("static", static_key(leaf)))
+        variables = self._strategy.extended.live_variables()
+        # The function by its code and captures (held weakly): a closure made
+        # afresh for every schedule is traced once, as with tf.function.
+        key = (FunctionKey(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
+        with self._lock:
+            program = self._programs.get(key)
+            used = program.used_variables() if program is not None else None
+            if used is None:
+                program = self._trace(fn, leaves, treedef, dynamic, per_worker, iterators)
+                self._programs = {k: p for k, p in self._programs.items() if k[0].alive}
+                self._programs[key] = program
+                used = program.used_variables()
+        # Positions in the program's argument list, in leaf order.
+        order = sorted([i for i, _ in dynamic] + [i for i, _ in per_worker])
+        rank = {leaf_index: n for n, leaf_index in enumerate(order)}
+        return Call(
+            program,
+            [(rank[i], a) for i, a in dynamic],
+            [(rank[i], v) for i, v in per_worker],
+            [(it, count) for (_, it), count in zip(iterators, program.iterator_counts)],
+            self._strategy.extended.consistency_epoch,
+            keep=used,
+        )
+
+    def _trace(self, fn, leaves, treedef, dynamic, per_worker, iterators) -> Program:
+        strategy = self._strategy
+        variables = strategy.extended.live_variables()
+        arg_specs = {}
+        for i, array in dynamic:
+            arg_specs[i] = jax.ShapeDtypeStruct(array.shape, array.dtype)
+        for i, values in per_worker:
+            first = np.asarray(values.values[0])
+            arg_specs[i] = jax.ShapeDtypeStruct(first.shape, first.dtype)
+        arg_positions = sorted(arg_specs)
+        counts = [1] * len(iterators)
+        record: dict = {}
+
+        def build(used_variables, counts, route, plan=()):
+            element_specs = []
+            for (_, iterator), count in zip(iterators, counts):
+                elem_tree, specs = iterator.dataset.element_spec
+                structs = [jax.ShapeDtypeStruct(s, d) for s, d in specs]
+                element_specs.append((elem_tree, structs, count))
+
+            def pure(*flat):
+                position = len(used_variables)
+                values = list(leaves)
+                for i in arg_positions:
+                    values[i] = flat[position]
+                    position += 1
+                traced_iterators = []
+                for (i, _), (elem_tree, structs, count) in zip(iterators, element_specs):
+                    elements = []
+                    for _ in range(count):
+                        group = flat[position : position + len(structs)]
+                        elements.append(jax.tree_util.tree_unflatten(elem_tree, list(group)))
+                        position += len(structs)
+                    values[i] = TracedIterator(elements)
+                    traced_iterators.append(values[i])
+                worker_index = flat[position]
+                args, kwargs = jax.tree_util.tree_unflatten(treedef, values)
+                mapping = {id(v): x for v, x in zip(used_variables, flat)}
+                old = dict(mapping)
+                # Variables the program does not take stand as zeros: the first
+                # trace found nothing reads them, and Keras's steps list them all.
+                for v in variables:
+                    mapping.setdefault(id(v), jnp.zeros(v.shape, v.dtype))
+                trace = ProgramTrace(worker_index)
+                scope = RoutingScope(mapping)
+                router = GradientRouter(enabled=route, scope=scope)
+                router.start()
+                with scope, tracing(trace), routing_gradients(router), strategy.scope():
+                    out = fn(*args, **kwargs)
+                out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+                writes, payloads = [], []
+                for n, v in enumerate(used_variables):
+                    if id(v) not in scope.assigned:
+                        continue
+                    new = jnp.asarray(scope.state_mapping[id(v)]).astype(v.dtype)
+                    kind = "add" if id(v) in trace.deltas else trace.kinds.get(id(v), "assign")
+                    writes.append((n, kind))
+                    payloads.append(new - old[id(v)] if kind == "add" else new)
+                for step_index, update in plan:
+                    payloads += update.worker_values(router.steps[step_index])
+                if route and not plan:
+                    # The first trace: the gradients count as used (a gradient
+                    # may be a variable's value as it is).
+                    payloads += [g for step in router.steps for g in step.grads]
+                record.update(
+                    out_tree=out_tree,
+                    writes=writes,
+                    counts=[t.taken for t in traced_iterators],
+                    steps=router.steps,
+                    conflict=router.conflict,
+                )
+                return [jnp.asarray(x) for x in out_leaves] + payloads
+
+            specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in used_variables]
+            specs += [arg_specs[i] for i in arg_positions]
+            for _, structs, count in element_specs:
+                specs += structs * count
+            specs.append(jax.ShapeDtypeStruct((), jnp.int32))
+            return pure, specs
+
+        # First trace: which variables are used, how many next() calls, which
+        # optimizer updates can run on the ps tasks.
+        pure, specs = build(variables, counts, route=True)
+        closed = jax.make_jaxpr(pure)(*specs)
+        if record["counts"] != counts:
+            counts = record["counts"]
+            pure, specs = build(variables, counts, route=True)
+            closed = jax.make_jaxpr(pure)(*specs)
+        plan = []
+        for step_index, step in enumerate(record["steps"]):
+            updates = None if record["conflict"] else plan_updates(step)
+            if updates is None:
+                # An update cannot run on the ps: every update runs here.
+                plan = []
+                pure, specs = build(variables, counts, route=False)
+                closed = jax.make_jaxpr(pure)(*specs)
+                break
+            plan += [(step_index, update) for update in updates]
+        used_vars = used_inputs(closed.jaxpr, len(variables))
+        needed = {n for n, _ in record["writes"]} | used_vars
+        sent = {id(v) for _, update in plan for v in update.sent}
+        keep = [v for n, v in enumerate(variables) if n in needed or id(v) in sent]
+        pure, specs = build(keep, counts, route=bool(plan), plan=plan)
+        exported = jax.export.export(jax.jit(pure), platforms=_platforms())(*specs)
+        for _, update in plan:
+            strategy.extended.parameter_servers.load_update(update)
+        self.traces += 1
+        return Program(
+            bytes(exported.serialize()),
+            keep,
+            record["writes"],
+            record["out_tree"],
+            counts,
+            [update for _, update in plan],
+        )
+
+
+def _platforms() -> tuple:
+    platform = jax.default_backend()
+    return (platform,) if platform == "cpu" else (platform, "cpu")

@@ -1,0 +1,203 @@
+"""One worker as the coordinator sees it: a thread that runs closures on it.
+
+The thread takes a closure (or a few queued closures of one program), makes
+sure the worker has what it needs (the program, the per-worker datasets and
+iterators it reads) and asks it to run them, in one request. A worker that
+cannot be reached gives its closures back to the queue (another worker runs
+them: at least once) and is probed until it answers again; then everything
+it had is sent again: a restarted worker rebuilds its datasets. A lost ps
+task is fatal, as in TF: the error reaches ``join``/``schedule``.
+"""
+
+import threading
+import time
+
+import cloudpickle
+
+from keras_dist import errors
+from keras_dist.parameter_server.rpc import _protocol as protocol
+from keras_dist.parameter_server.rpc._transport import RpcClient
+from keras_dist.parameter_server.rpc._transport import raise_if_error
+
+RUN_TIMEOUT = 600.0
+PROBE_INTERVAL = 0.5
+# Closures of one program queued together go to a worker in one request (up
+# to this many, and a fair share of the queue): the worker runs them one
+# after the other, and a step does not pay its own round trip from here.
+RUNS_PER_REQUEST = 4
+
+
+class ClosureInputError(errors.OpError):
+    """A scheduled function's input (a per-worker dataset) failed on its worker.
+
+    >>> import keras_dist as kd
+    >>> issubclass(kd.coordinator.ClosureInputError, kd.errors.OpError)
+    True
+    """
+
+
+def _ps_tasks(error: errors.OpError) -> list:
+    return [t for t in error.lost_tasks if t.startswith("/job:ps/")]
+
+
+class WorkerThread:
+    """Runs closures from ``queue`` on worker ``index`` of ``num_workers`` at ``address``."""
+
+    def __init__(self, index: int, address: str, queue, alive, num_workers: int = 1):
+        self.index = index
+        self.name = f"/job:worker/replica:0/task:{index}"
+        self.client = RpcClient(address, name=self.name)
+        self._queue = queue
+        self._alive = alive  # returns False once the coordinator is gone
+        self._num_workers = num_workers
+        self._sent: set = set()  # programs, datasets and iterators this worker has
+        self.available = True
+        self._thread = threading.Thread(target=self._loop, name=f"kd-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while self._alive() and not self._queue.stopped:
+            self._run_next()
+
+    def _run_next(self) -> None:
+        # A method of its own: while the thread waits for the next closures, it
+        # holds nothing of the last ones (a call keeps its variables alive).
+        closures = self._queue.get_many(0.5, RUNS_PER_REQUEST, self._num_workers)
+        if closures:
+            values, error = self._run_many([closure.call for closure in closures])
+            # The queue sets each value, or the cancellation of an error that
+            # came while the closure ran, under its lock.
+            for closure, value in zip(closures, values):
+                self._queue.mark_finished(closure, value)
+            if error is not None:
+                self._failed(closures[len(values) :], error)
+
+    def _failed(self, closures, error) -> None:
+        """``closures[0]`` failed with ``error``; the others did not run."""
+        if (
+            isinstance(error, errors.OpError)
+            and error.lost_tasks == (self.name,)
+            and isinstance(error, (errors.UnavailableError, errors.DeadlineExceededError))
+        ):
+            # The worker is lost: all of them run on another worker (at least once).
+            for closure in reversed(closures):
+                self._queue.put_back(closure)
+            self._wait_until_back()
+            return
+        if isinstance(error, errors.OpError) and _ps_tasks(error):
+            error = errors.UnavailableError(
+                f"Parameter server {', '.join(_ps_tasks(error))} is unavailable: {error.message}",
+                _ps_tasks(error),
+            )
+        self._queue.mark_failed(closures[0], error)
+        for closure in closures[1:]:
+            self._queue.put_back(closure)  # cancelled by that error, as TF's queue does
+
+    def _wait_until_back(self) -> None:
+        """Probes the worker until it answers; it then gets everything sent again."""
+        self.available = False
+        while self._alive() and not self._queue.stopped:
+            try:
+                self.client.call(protocol.request(protocol.PING), timeout=2.0)
+            except errors.OpError:
+                time.sleep(PROBE_INTERVAL)
+                continue
+            break
+        self._sent.clear()
+        self.available = True
+
+    def _run_many(self, calls) -> tuple:
+        """``(values, error)``: the results of the calls that ran, and why the next did not."""
+        values, resent = [], False
+        while len(values) < len(calls):
+            try:
+                done, error = self._request(calls[len(values) :])
+            except Exception as lost:  # noqa: BLE001 - a lost worker, or a coordinator bug
+                return values, lost
+            values += done
+            if error is None:
+                break
+            if (
+                isinstance(error, errors.NotFoundError)
+                and error.lost_tasks == (self.name,)
+                and not resent
+            ):
+                # The worker restarted between two calls: send everything again.
+                resent = True
+                self._sent.clear()
+                continue
+            return values, error
+        return values, None
+
+    def _request(self, calls) -> tuple:
+        """Runs ``calls`` on the worker in one request; ``(values, error)`` as ``_run_many``."""
+        ready, failure = [], None
+        for call in calls:
+            try:
+                self._ensure(call)
+            except Exception as error:  # noqa: BLE001 - this call's failure: those before run
+                failure = error
+                break
+            ready.append(call)
+        if not ready:
+            return [], failure
+        calls = ready
+        headers, arrays = [], []
+        for call in calls:
+            arguments = call.arrays_for(self.index)
+            headers.append(
+                protocol.request(
+                    protocol.RUN,
+                    program_id=call.program.program_id,
+                    worker_index=self.index,
+                    iterators=[[it.iterator_id, count] for it, count in call.iterators],
+                    epoch=call.epoch,
+                    n_arrays=len(arguments),
+                )
+            )
+            arrays += arguments
+        reply, results, _ = self.client.call(
+            protocol.request(protocol.RUN_MANY, calls=headers),
+            arrays,
+            timeout=RUN_TIMEOUT * len(calls),
+        )
+        values, position = [], 0
+        for call, count in zip(calls, reply["counts"]):
+            values.append(call.program.results(results[position : position + count]))
+            position += count
+        if reply["failed"] is not None:
+            try:
+                raise_if_error(reply["failed"])
+            except errors.OpError as error:
+                return values, error
+        return values, failure
+
+    def _ensure(self, call) -> None:
+        program = call.program
+        if program.program_id not in self._sent:
+            self.client.call(program.header(), (), program.blob, timeout=RUN_TIMEOUT)
+            self._sent.add(program.program_id)
+        for iterator, _ in call.iterators:
+            dataset = iterator.dataset
+            if dataset.dataset_id not in self._sent:
+                header = protocol.request(
+                    protocol.DATASET, dataset_id=dataset.dataset_id, worker_index=self.index
+                )
+                try:
+                    blob = cloudpickle.dumps(dataset.dataset_fn)
+                    self.client.call(header, (), blob, timeout=RUN_TIMEOUT)
+                except errors.OpError as error:
+                    if error.lost_tasks == (self.name,):
+                        raise
+                    raise ClosureInputError(
+                        f"The per-worker dataset failed on {self.name}: {error.message}"
+                    ) from error
+                self._sent.add(dataset.dataset_id)
+            if iterator.iterator_id not in self._sent:
+                header = protocol.request(
+                    protocol.ITERATOR,
+                    dataset_id=dataset.dataset_id,
+                    iterator_id=iterator.iterator_id,
+                )
+                self.client.call(header, timeout=RUN_TIMEOUT)
+                self._sent.add(iterator.iterator_id)

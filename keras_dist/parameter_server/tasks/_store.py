@@ -1,0 +1,141 @@
+"""The parameter server's side: a store of variables (and optimizer slots) by key.
+
+Each ps task holds the variables placed on it as NumPy arrays. Every request
+is atomic: the writes of one ``update`` (one worker's step for this ps task)
+are applied under the store's lock, and the values it returns are read under
+the same lock, so N workers × K steps that each add to a counter leave it at
+exactly N·K and a reader never sees half a step. Optimizer updates run here
+too (``_loaded_update.LoadedUpdate``), on the current values, one after the other.
+Additive writes (``add``, ``sub``: ``assign_add``, metric totals) compose
+across workers; ``assign`` is last-writer-wins, as on TF's parameter servers.
+
+>>> import numpy as np
+>>> store = VariableStore("/job:ps/replica:0/task:0")
+>>> _ = store.handle({"op": "create", "keys": ["v"]}, [np.zeros(2)], b"")
+>>> reply = store.handle(
+...     {"op": "update", "writes": [["v", "add"]], "read": ["v"]}, [np.ones(2)], b"")
+>>> _wire.decode(reply)[1][0].tolist()
+[1.0, 1.0]
+"""
+
+import threading
+
+import numpy as np
+
+from keras_dist import errors
+from keras_dist.parameter_server.rpc import _protocol as protocol
+from keras_dist.parameter_server.rpc import _wire
+from keras_dist.parameter_server.tasks._loaded_update import LoadedUpdate
+
+
+class VariableStore:
+    """The variables of one ps task; ``handle`` answers the transport's requests."""
+
+    def __init__(self, task_name: str):
+        self.task_name = task_name
+        self._values: dict = {}
+        self._updates: dict = {}  # update id -> LoadedUpdate
+        self._lock = threading.Lock()
+        self.version = 0  # bumped by every write; lets readers skip unchanged values
+
+    def handle(self, header: dict, arrays: list, blob: bytes):
+        """Answers one request: ``(header, arrays, blob)``, or an encoded reply (reads)."""
+        op = protocol.check_request(header, "ps").name
+        if op == "ping":
+            return {"task": self.task_name}, [], b""
+        if op == "create":
+            return self._create(header["keys"], arrays, header.get("if_absent", False))
+        if op == "read":
+            return self._read(header["keys"])
+        if op == "update":
+            return self._update(header, arrays)
+        if op == "load_update":
+            update = LoadedUpdate(header, blob)
+            with self._lock:
+                self._updates.setdefault(header["update_id"], update)
+            return {}, [], b""
+        if op == "delete":
+            with self._lock:
+                for key in header["keys"]:
+                    self._values.pop(key, None)
+            return {}, [], b""
+        raise AssertionError(f"`{op}` is in the protocol and not served here")
+
+    def _create(self, keys, arrays, if_absent):
+        created = []
+        with self._lock:
+            for key, value in zip(keys, arrays):
+                if if_absent and key in self._values:
+                    continue
+                self._values[key] = np.array(value, copy=True)
+                created.append(key)
+            self.version += 1
+            current = [self._values[key] for key in keys]
+            return {"created": created, "version": self.version}, current, b""
+
+    def _lookup(self, key):
+        try:
+            return self._values[key]
+        except KeyError:
+            raise errors.NotFoundError(
+                f"{self.task_name} holds no variable {key!r}: the task restarted and lost "
+                "its variables, or the variable was never created. Restart training from "
+                f"a checkpoint. Received: key={key!r}",
+                (self.task_name,),
+            ) from None
+
+    def _read(self, keys):
+        with self._lock:
+            values = [self._lookup(key) for key in keys]
+            version = self.version
+        return _wire.encode({"version": version}, values)  # a snapshot, as in ``_update``
+
+    def _update(self, header, arrays):
+        writes = header["writes"]
+        with self._lock:
+            # Everything is checked before anything changes: a request is
+            # applied whole or not at all.
+            targets = [self._lookup(key) for key, _ in writes]
+            for (key, _), target, value in zip(writes, targets, arrays):
+                if value.shape != target.shape:
+                    raise errors.InvalidArgumentError(
+                        f"A write to {key!r} on {self.task_name} has the wrong shape. "
+                        f"Received: shape {value.shape}, variable shape {target.shape}"
+                    )
+            updates = [(self._loaded_update(u), count) for u, count in header.get("updates", ())]
+            # Optimizer updates first: they read the iteration count before
+            # this step's increment, as Keras's ``apply`` does.
+            position = len(writes)
+            for update, count in updates:
+                held = [self._lookup(key) for key in update.held]
+                for key, value in update.run(held, arrays[position : position + count]):
+                    self._values[key] = value
+                position += count
+            for (key, kind), value in zip(writes, arrays):
+                target = self._values[key]  # as the updates left it
+                # New arrays, not in place: an optimizer update's results are
+                # read-only JAX arrays, and ``value`` is a view of the request.
+                if kind == "assign":
+                    self._values[key] = np.array(value, dtype=target.dtype)
+                else:
+                    combine = np.add if kind == "add" else np.subtract
+                    self._values[key] = combine(target, value).astype(target.dtype, copy=False)
+            self.version += 1
+            version = self.version
+            values = [self._lookup(key) for key in header.get("read", ())]
+        # Stored values are replaced, never changed in place: the arrays taken
+        # under the lock are a consistent snapshot, encoded without holding it.
+        return _wire.encode({"version": version}, values)
+
+    def _loaded_update(self, update_id) -> LoadedUpdate:
+        update = self._updates.get(update_id)
+        if update is None:
+            raise errors.NotFoundError(
+                f"{self.task_name} has no optimizer update {update_id!r}: the task restarted "
+                "and lost it. Restart training from a checkpoint. "
+                f"Received: update_id={update_id!r}",
+                (self.task_name,),
+            )
+        for key in update.held:
+            self._lookup(key)
+        return update

@@ -1,0 +1,240 @@
+"""The worker's side: runs the programs the coordinator sends, on this task's device.
+
+A worker keeps the programs (``jax.export`` blobs), per-worker datasets and
+iterators the coordinator created on it. ``run`` reads the variables a program
+uses from the ps tasks, feeds it the iterators' next elements, and sends its
+writes back: one request per ps task each way. After a restart the worker has
+none of these; it answers ``NotFoundError`` and the coordinator sends them
+again. Dataset functions arrive pickled (cloudpickle) and are unpickled only
+in an authenticated call.
+"""
+
+import inspect
+import threading
+
+import cloudpickle
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from keras_dist import errors
+from keras_dist._input import InputContext
+from keras_dist.parameter_server.rpc import _protocol as protocol
+from keras_dist.parameter_server.rpc._transport import error_header
+from keras_dist.parameter_server.scheduling._trace import on_worker
+from keras_dist.parameter_server.variables._client import Location
+from keras_dist.parameter_server.variables._client import ParameterServers
+
+
+class _LoadedProgram:
+    def __init__(self, header, blob):
+        exported = jax.export.deserialize(bytearray(blob))
+        self.call = jax.jit(exported.call)
+        self.locations = [Location.from_json(x) for x in header["variables"]]
+        self.writes = [(index, kind) for index, kind in header["writes"]]
+        self.n_results = header["n_results"]
+        self.updates = [tuple(u) for u in header.get("updates", ())]
+
+    def split_outputs(self, outputs):
+        """``(results, writes, updates)`` from the program's outputs, for ``servers.update``."""
+        results = outputs[: self.n_results]
+        position = self.n_results + len(self.writes)
+        payloads = outputs[self.n_results : position]
+        writes = [
+            (self.locations[index], kind, payload)
+            for (index, kind), payload in zip(self.writes, payloads)
+        ]
+        updates = []
+        for task, update_id, count in self.updates:
+            updates.append((task, update_id, outputs[position : position + count]))
+            position += count
+        return results, writes, updates
+
+
+def spread_over(mesh, inputs, batch_inputs: range) -> list:
+    """``inputs`` placed on ``mesh``'s devices: ``batch_inputs`` split along axis 0.
+
+    An input whose first axis the devices divide is split (each device takes
+    its rows); the rest (variable values, the worker index, a ragged batch)
+    is copied to every device. XLA then runs the program as synchronous
+    replicas on the devices and all-reduces what the rows contribute to, the
+    gradients, so the step's numbers are the one-device step's.
+    """
+    split = NamedSharding(mesh, PartitionSpec("replica"))
+    copied = NamedSharding(mesh, PartitionSpec())
+    placed = []
+    for i, x in enumerate(inputs):
+        splits = i in batch_inputs and np.ndim(x) >= 1 and np.shape(x)[0] % mesh.size == 0
+        placed.append(jax.device_put(x, split if splits else copied))
+    return placed
+
+
+class WorkerService:
+    """Answers the coordinator's requests on one worker task.
+
+    Given several ``devices`` (a between-graph worker's local devices), each
+    program runs on all of them, its batch split between them (``spread_over``).
+    """
+
+    def __init__(
+        self, task_name: str, cluster_spec, num_workers: int, credentials=None, devices=()
+    ):
+        self.task_name = task_name
+        self.servers = ParameterServers(cluster_spec, credentials)
+        self._mesh = Mesh(np.array(devices), ("replica",)) if len(devices) > 1 else None
+        self._num_workers = num_workers
+        self._programs: dict = {}
+        self._datasets: dict = {}
+        self._iterators: dict = {}
+        self._cache: dict = {}  # Location -> (epoch, value) from this worker's last update
+        self._lock = threading.Lock()
+        self._run_lock = threading.Lock()
+        self.runs = 0
+
+    def handle(self, header: dict, arrays: list, blob: bytes):
+        op = protocol.check_request(header, "worker").name
+        if op == "ping":
+            return {"task": self.task_name}, [], b""
+        if op == "load":
+            program = _LoadedProgram(header, blob)
+            with self._lock:
+                self._programs[header["program_id"]] = program
+            return {}, [], b""
+        if op == "dataset":
+            return self._create_dataset(header, blob)
+        if op == "iterator":
+            dataset = self._lookup(self._datasets, header["dataset_id"], "dataset")
+            with self._lock:
+                # Two runs may be in flight on a worker: one reader at a time.
+                self._iterators[header["iterator_id"]] = (iter(dataset), threading.Lock())
+            return {}, [], b""
+        if op == "run":
+            return self._run(header, arrays)
+        if op == "run_many":
+            return self._run_many(header, arrays)
+        raise AssertionError(f"`{op}` is in the protocol and not served here")
+
+    def _lookup(self, table, key, what):
+        with self._lock:
+            try:
+                return table[key]
+            except KeyError:
+                raise errors.NotFoundError(
+                    f"{self.task_name} has no {what} {key!r} (it restarted); the coordinator "
+                    f"sends it again. Received: {what}={key!r}",
+                    (self.task_name,),
+                ) from None
+
+    def _create_dataset(self, header, blob):
+        worker_index = header["worker_index"]
+        dataset_fn = cloudpickle.loads(blob)
+        context = InputContext(self._num_workers, worker_index, 1)
+        with on_worker(worker_index):
+            dataset = _call_dataset_fn(dataset_fn, context)
+            # A strategy's distributed dataset (``DirectDataset``) is built here.
+            build = getattr(dataset, "dataset_for", None)
+            if callable(build):
+                dataset = build(context)
+        with self._lock:
+            self._datasets[header["dataset_id"]] = dataset
+        return {}, [], b""
+
+    def _run(self, header, arrays):
+        # One run at a time (as TF's worker runs its closures), each from the
+        # values the previous one left, even if a caller sends two at once.
+        with self._run_lock:
+            return self._run_now(header, arrays)
+
+    def _run_many(self, header, arrays):
+        """Runs several calls one after the other (one request: one round trip for all).
+
+        Stops at the first that fails: the reply has the results of those
+        that ran (``done``) and the failure's error fields under ``failed``.
+        """
+        results, counts, position, failed = [], [], 0, None
+        for call in header["calls"]:
+            arguments = arrays[position : position + call["n_arrays"]]
+            position += call["n_arrays"]
+            try:
+                _, outputs, _ = self._run(call, arguments)
+            except Exception as error:  # noqa: BLE001 - sent back, raised for this call there
+                failed = error_header(error)
+                break
+            results += outputs
+            counts.append(len(outputs))
+        return {"done": len(counts), "counts": counts, "failed": failed}, results, b""
+
+    def _run_now(self, header, arrays):
+        program = self._lookup(self._programs, header["program_id"], "program")
+        epoch = header.get("epoch")
+        inputs = self._variable_values(program.locations, epoch) + list(arrays)
+        for iterator_id, count in header["iterators"]:
+            iterator, reading = self._lookup(self._iterators, iterator_id, "iterator")
+            for _ in range(count):
+                try:
+                    with reading:
+                        element = next(iterator)
+                except StopIteration:
+                    raise errors.OutOfRangeError(
+                        f"The per-worker dataset of iterator {iterator_id} on {self.task_name} "
+                        "is exhausted. Make the dataset repeat, or schedule fewer steps. "
+                        "Received: StopIteration from next()"
+                    ) from None
+                inputs += [np.asarray(x) for x in jax.tree_util.tree_leaves(element)]
+        inputs.append(np.int32(header["worker_index"]))
+        if self._mesh is not None:
+            # Every input but the variables' values and the worker index is data.
+            batch_inputs = range(len(program.locations), len(inputs) - 1)
+            inputs = spread_over(self._mesh, inputs, batch_inputs)
+        try:
+            outputs = [np.asarray(x) for x in program.call(*inputs)]
+        except (TypeError, ValueError) as error:
+            # The program was traced on the coordinator for other shapes or
+            # dtypes (a dataset whose last batch is smaller, say).
+            raise errors.InvalidArgumentError(
+                f"{self.task_name} cannot run the scheduled function on these inputs: they "
+                "differ from those it was traced for. Give every batch the same shape (drop "
+                f"the remainder). Received: {error}",
+                (self.task_name,),
+            ) from None
+        results, writes, updates = program.split_outputs(outputs)
+        if writes or updates:
+            # The same requests bring the values back (one round trip per ps
+            # task): the next run of this epoch starts from them.
+            read = program.locations if epoch is not None else ()
+            fresh = self.servers.update(writes, read=read, updates=updates)
+            with self._lock:
+                for location, value in zip(read, fresh):
+                    self._cache[location] = (epoch, value)
+        self.runs += 1
+        return {}, results, b""
+
+    def _variable_values(self, locations, epoch) -> list:
+        """Values as of this worker's last step of ``epoch``, else read from the ps tasks.
+
+        ``epoch`` changes whenever the coordinator joins or writes a variable,
+        so a function scheduled after those reads afresh; between them a worker
+        starts from the values its previous step got back (asynchronous
+        training, as with any parameter server).
+        """
+        if not locations:
+            return []
+        with self._lock:
+            cached = [self._cache.get(location) for location in locations]
+        if epoch is not None and all(c is not None and c[0] == epoch for c in cached):
+            return [value for _, value in cached]
+        return self.servers.read(locations)
+
+    def close(self) -> None:
+        self.servers.close()
+
+
+def _call_dataset_fn(dataset_fn, context):
+    """``dataset_fn(input_context)``, or ``dataset_fn()`` when it takes no argument."""
+    try:
+        takes_context = bool(inspect.signature(dataset_fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes_context = True
+    return dataset_fn(context) if takes_context else dataset_fn()

@@ -1,0 +1,1 @@
+"""Variables on the parameter servers: ``PSVariable``, ``ShardedVariable``, partitioners, client."""

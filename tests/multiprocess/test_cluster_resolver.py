@@ -1,0 +1,544 @@
+"""Cluster resolvers, ClusterSpec and multi-worker helpers.
+
+After TF's cluster_resolver and multi_worker_util tests.
+"""
+
+import json
+import os
+import re
+
+import pytest
+
+import keras_dist as kd
+from keras_dist import cluster_resolver as cr
+
+PS_WORKER_CLUSTER = {
+    "ps": ["ps0:2222", "ps1:2222"],
+    "worker": ["worker0:2222", "worker1:2222", "worker2:2222"],
+}
+
+
+def _set_tf_config(monkeypatch, config):
+    monkeypatch.setenv("TF_CONFIG", config if isinstance(config, str) else json.dumps(config))
+
+
+def test_tf_config_cluster_spec_and_master(monkeypatch):
+    _set_tf_config(monkeypatch, {"cluster": PS_WORKER_CLUSTER, "task": {"type": "ps", "index": 0}})
+    resolver = cr.TFConfigClusterResolver()
+    assert resolver.cluster_spec() == cr.ClusterSpec(PS_WORKER_CLUSTER)
+    assert resolver.cluster_spec().as_dict() == PS_WORKER_CLUSTER
+    assert resolver.master() == "ps0:2222"
+    assert resolver.master("worker", 1) == "worker1:2222"
+
+
+def test_tf_config_session_master_is_returned_as_is(monkeypatch):
+    _set_tf_config(
+        monkeypatch,
+        {
+            "cluster": PS_WORKER_CLUSTER,
+            "session_master": "sessionmaster:2222",
+            "task": {"type": "ps", "index": 0},
+        },
+    )
+    assert cr.TFConfigClusterResolver().master() == "sessionmaster:2222"
+
+
+def test_tf_config_rpc_layer(monkeypatch):
+    _set_tf_config(
+        monkeypatch,
+        {"cluster": PS_WORKER_CLUSTER, "rpc_layer": "grpc", "task": {"type": "ps", "index": 0}},
+    )
+    resolver = cr.TFConfigClusterResolver()
+    assert resolver.master() == "grpc://ps0:2222"
+    assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("ps", 0, "grpc")
+
+
+def test_tf_config_sparse_cluster(monkeypatch):
+    _set_tf_config(
+        monkeypatch,
+        {
+            "cluster": {"worker": {"1": "worker1:2222", "3": "worker3:2222"}},
+            "task": {"type": "worker", "index": 3},
+        },
+    )
+    resolver = cr.TFConfigClusterResolver()
+    assert resolver.cluster_spec().as_dict() == {"worker": {1: "worker1:2222", 3: "worker3:2222"}}
+    assert resolver.master() == "worker3:2222"
+
+
+def test_constructor_overrides_tf_config_task(monkeypatch):
+    _set_tf_config(
+        monkeypatch,
+        {"cluster": PS_WORKER_CLUSTER, "rpc_layer": "grpc", "task": {"type": "worker", "index": 1}},
+    )
+    resolver = cr.TFConfigClusterResolver(task_type="ps", task_id=0)
+    assert resolver.master() == "grpc://ps0:2222"
+    assert (resolver.task_type, resolver.task_id) == ("ps", 0)
+
+
+def test_setters(monkeypatch):
+    _set_tf_config(
+        monkeypatch,
+        {"cluster": PS_WORKER_CLUSTER, "rpc_layer": "grpc", "task": {"type": "ps", "index": 0}},
+    )
+    resolver = cr.TFConfigClusterResolver()
+    resolver.task_type = "worker"
+    resolver.task_id = 1
+    resolver.rpc_layer = "test"
+    assert resolver.master() == "test://worker1:2222"
+    assert (resolver.task_type, resolver.task_id, resolver.rpc_layer) == ("worker", 1, "test")
+
+
+def test_constructor_rpc_layer_overrides(monkeypatch):
+    _set_tf_config(
+        monkeypatch,
+        {"cluster": PS_WORKER_CLUSTER, "rpc_layer": "grpc", "task": {"type": "ps", "index": 0}},
+    )
+    resolver = cr.TFConfigClusterResolver(task_type="worker", task_id=2, rpc_layer="test")
+    assert resolver.master() == "test://worker2:2222"
+
+
+def test_type_coercion(monkeypatch):
+    _set_tf_config(
+        monkeypatch, {"cluster": {"123456": ["h:1", "h:2"]}, "task": {"type": 123456, "index": "1"}}
+    )
+    resolver = cr.TFConfigClusterResolver()
+    assert resolver.task_type == "123456"
+    assert resolver.task_id == 1
+    assert isinstance(resolver.task_id, int)
+
+
+@pytest.mark.parametrize("config", ["{}", None])
+def test_empty_or_unset_tf_config(monkeypatch, config):
+    if config is None:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+    else:
+        _set_tf_config(monkeypatch, config)
+    resolver = cr.TFConfigClusterResolver()
+    assert resolver.master() == ""
+    assert not resolver.cluster_spec()
+    assert resolver.task_type is None
+    assert resolver.task_id is None
+    assert resolver.rpc_layer is None
+
+
+def test_one_task_cluster_has_no_master(monkeypatch):
+    _set_tf_config(
+        monkeypatch,
+        {"cluster": {"worker": ["worker0:2222"]}, "task": {"type": "worker", "index": 0}},
+    )
+    assert cr.TFConfigClusterResolver().master() == ""
+
+
+def test_bad_json_raises(monkeypatch):
+    _set_tf_config(monkeypatch, "{not json")
+    with pytest.raises(json.JSONDecodeError):
+        cr.TFConfigClusterResolver().cluster_spec()
+
+
+def test_environ_argument_replaces_os_environ(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    config = {"cluster": PS_WORKER_CLUSTER, "task": {"type": "worker", "index": 2}}
+    resolver = cr.TFConfigClusterResolver(environ={"TF_CONFIG": json.dumps(config)})
+    assert resolver.master() == "worker2:2222"
+
+
+def test_num_accelerators_filters_tasks_by_tf_config(monkeypatch):
+    _set_tf_config(
+        monkeypatch,
+        {
+            "cluster": {
+                "worker1": ["w10:2222"],
+                "worker2": ["w21:2222", "w22:2222", "w23:2222", "w24:2222"],
+            },
+            "rpc_layer": "grpc",
+            "task": {"type": "worker1", "index": "0"},
+        },
+    )
+    devices = [
+        "/job:worker1/task:0/device:TPU:0",
+        "/job:worker1/task:0/device:TPU:1",
+        "/job:worker1/task:0/device:GPU:0",
+        "/job:worker1/task:0/device:GPU:1",
+        "/job:worker2/task:1/device:TPU:2",
+        "/job:worker2/task:2/device:TPU:3",
+        "/job:worker2/task:3/device:GPU:2",
+        "/job:worker2/task:4/device:GPU:3",
+        "/job:worker1/task:0/device:CPU:0",
+    ]
+    monkeypatch.setattr(cr.TFConfigClusterResolver, "_device_names", lambda self: devices)
+    resolver = cr.TFConfigClusterResolver()
+    assert resolver.num_accelerators() == {"TPU": 2, "GPU": 2}
+    assert resolver.num_accelerators(task_type="worker2", task_id=3) == {"GPU": 1}
+
+
+def test_num_accelerators_of_this_process_counts_no_cpus(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    # The test process has only (simulated) CPU devices.
+    assert cr.TFConfigClusterResolver().num_accelerators() == {}
+
+
+def test_simple_cluster_resolver_returns_what_it_was_given():
+    spec = cr.ClusterSpec({"ps": ["ps0:2222", "ps1:2222"], "worker": ["worker0:2222"]})
+    resolver = cr.SimpleClusterResolver(
+        spec,
+        task_type="ps",
+        task_id=1,
+        environment="cloud",
+        num_accelerators={"GPU": 8},
+        rpc_layer="grpc",
+    )
+    assert resolver.cluster_spec() == spec
+    assert (resolver.task_type, resolver.task_id, resolver.environment) == ("ps", 1, "cloud")
+    assert resolver.num_accelerators() == {"GPU": 8}
+    assert resolver.rpc_layer == "grpc"
+    assert resolver.master("worker", 0, rpc_layer="grpc") == "grpc://worker0:2222"
+    assert cr.SimpleClusterResolver(spec, master="m:1").master() == "m:1"
+
+
+def test_union_concatenates_overlapping_jobs():
+    a = cr.SimpleClusterResolver(
+        cr.ClusterSpec({"worker": ["w0:1", "w1:1"]}),
+        task_type="worker",
+        task_id=1,
+        rpc_layer="grpc",
+    )
+    b = cr.SimpleClusterResolver(cr.ClusterSpec({"worker": ["w2:1"], "ps": ["p0:1"]}))
+    union = cr.UnionClusterResolver(a, b)
+    assert union.cluster_spec().as_dict() == {"worker": ["w0:1", "w1:1", "w2:1"], "ps": ["p0:1"]}
+    assert (union.task_type, union.task_id, union.rpc_layer) == ("worker", 1, "grpc")
+    assert union.master("worker", 2) == "grpc://w2:1"
+    override = cr.UnionClusterResolver(a, b, task_type="ps", task_id=0, rpc_layer="test")
+    assert (override.task_type, override.task_id, override.rpc_layer) == ("ps", 0, "test")
+
+
+def test_union_merges_sparse_jobs_and_rejects_duplicate_keys():
+    a = cr.SimpleClusterResolver(cr.ClusterSpec({"worker": {0: "w0:1", 2: "w2:1"}}))
+    b = cr.SimpleClusterResolver(cr.ClusterSpec({"worker": {1: "w1:1", 5: "w5:1"}}))
+    merged = cr.UnionClusterResolver(a, b).cluster_spec()
+    assert merged.task_indices("worker") == [0, 1, 2, 5]
+    c = cr.SimpleClusterResolver(cr.ClusterSpec({"worker": {2: "other:1"}}))
+    with pytest.raises(KeyError, match="Duplicate keys detected"):
+        cr.UnionClusterResolver(a, c).cluster_spec()
+
+
+def test_union_needs_resolvers():
+    with pytest.raises(ValueError, match="at least one"):
+        cr.UnionClusterResolver()
+    with pytest.raises(TypeError, match="ClusterResolver"):
+        cr.UnionClusterResolver({"worker": ["w:1"]})
+
+
+def test_union_resolver_is_tf_alias_of_union_cluster_resolver():
+    assert kd.cluster_resolver.UnionResolver is kd.cluster_resolver.UnionClusterResolver
+    assert "UnionResolver" in kd.cluster_resolver.__all__
+    a = cr.SimpleClusterResolver(
+        cr.ClusterSpec({"worker": ["w0:2222", "w1:2222"], "chief": ["c0:2222"]}),
+        task_type="chief",
+        task_id=0,
+    )
+    b = cr.SimpleClusterResolver(cr.ClusterSpec({"worker": ["w2:2222"], "ps": ["p0:2222"]}))
+    union = kd.cluster_resolver.UnionResolver(a, b)
+    assert union.cluster_spec().as_dict() == {
+        "worker": ["w0:2222", "w1:2222", "w2:2222"],
+        "chief": ["c0:2222"],
+        "ps": ["p0:2222"],
+    }
+    assert (union.task_type, union.task_id) == ("chief", 0)
+    assert union.master("worker", 2, rpc_layer="grpc") == "grpc://w2:2222"
+
+
+def test_cluster_spec_sparse_job():
+    spec = cr.ClusterSpec({"sparse": {0: "s0:2222", 3: "s3:2222"}})
+    assert spec.num_tasks("sparse") == 2
+    assert spec.task_indices("sparse") == [0, 3]
+    assert spec.job_tasks("sparse") == ["s0:2222", None, None, "s3:2222"]
+    assert spec.task_address("sparse", 3) == "s3:2222"
+    assert spec.as_dict() == {"sparse": {0: "s0:2222", 3: "s3:2222"}}
+
+
+def test_cluster_spec_unknown_job_or_index_raises():
+    spec = cr.ClusterSpec({"worker": ["w0:2222"]})
+    with pytest.raises(ValueError, match="No such job in cluster: 'ps'"):
+        spec.num_tasks("ps")
+    with pytest.raises(ValueError, match="No such job in cluster"):
+        spec.job_tasks("ps")
+    with pytest.raises(ValueError, match="No task with index 1 in job 'worker'"):
+        spec.task_address("worker", 1)
+
+
+def test_cluster_spec_truth_and_equality():
+    assert not cr.ClusterSpec({})
+    assert cr.ClusterSpec({"job": ["h:2222"]})
+    assert cr.ClusterSpec({}) == cr.ClusterSpec({})
+    assert cr.ClusterSpec({"job": {0: "host:2222"}}) == cr.ClusterSpec({"job": ["host:2222"]})
+    assert cr.ClusterSpec({}) != cr.ClusterSpec({"job": ["host:2223"]})
+    assert cr.ClusterSpec({"job1": ["host:2222"]}) != cr.ClusterSpec({"job2": ["host:2222"]})
+    assert cr.ClusterSpec({"job": ["host:2222"]}) != cr.ClusterSpec({"job": ["host:2223"]})
+    # Order matters.
+    assert cr.ClusterSpec({"job": ["h:2222", "h:2223"]}) != cr.ClusterSpec(
+        {"job": ["h:2223", "h:2222"]}
+    )
+
+
+def test_cluster_spec_rejects_bad_input():
+    with pytest.raises(TypeError, match="Received"):
+        cr.ClusterSpec(["h:1"])
+    with pytest.raises(TypeError, match="job 'worker'"):
+        cr.ClusterSpec({"worker": "h:1"})
+
+
+# Slurm, Kubeflow, Keras and resolve_cluster (docs/architecture.md, "Several processes")
+
+
+def test_slurm_hostlist_and_tasks_per_node():
+    env = {
+        "SLURM_PROCID": "4",
+        "SLURM_NTASKS": "5",
+        "SLURM_JOB_NODELIST": "node[01-02],other",
+        "SLURM_TASKS_PER_NODE": "2(x2),1",
+    }
+    resolver = cr.SlurmClusterResolver(environ=env)
+    assert resolver.cluster_spec().as_dict() == {
+        "worker": ["node01:8888", "node01:8889", "node02:8888", "node02:8889", "other:8888"]
+    }
+    assert (resolver.task_type, resolver.task_id) == ("worker", 4)
+    assert resolver.master() == "grpc://other:8888"
+    assert resolver.master("worker", 1, rpc_layer="test") == "test://node01:8889"
+
+
+def test_slurm_step_variables_jobs_and_port_base():
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "99",
+        "SLURM_STEP_NUM_TASKS": "3",
+        "SLURM_JOB_NODELIST": "ignored",
+        "SLURM_STEP_NODELIST": "n[1,3-4]",
+    }
+    resolver = cr.SlurmClusterResolver(
+        jobs={"ps": 1, "worker": 2}, port_base=9000, rpc_layer=None, environ=env
+    )
+    assert resolver.cluster_spec().as_dict() == {
+        "ps": ["n1:9000"],
+        "worker": ["n3:9000", "n4:9000"],
+    }
+    assert (resolver.task_type, resolver.task_id) == ("worker", 0)
+    assert resolver.master() == "n3:9000"
+    with pytest.raises(RuntimeError, match="Requested more tasks than assigned tasks"):
+        cr.SlurmClusterResolver(jobs={"worker": 4}, environ=env)
+
+
+def test_kubeflow_resolver():
+    env = {
+        "COORDINATOR_ADDRESS": "trainer-0.svc",
+        "COORDINATOR_PORT": "1234",
+        "NUM_PROCESSES": "3",
+        "PROCESS_ID": "2",
+    }
+    resolver = cr.KubeflowClusterResolver(environ=env)
+    assert resolver.coordinator_address == "trainer-0.svc:1234"
+    assert (resolver.num_processes, resolver.process_id) == (3, 2)
+    assert (resolver.task_type, resolver.task_id) == ("worker", 2)
+    assert resolver.cluster_spec().num_tasks("worker") == 3
+    assert resolver.master() == "trainer-0.svc:1234"
+    jax_env = {"JAX_COORDINATOR_ADDRESS": "c:5", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    jax_resolver = cr.KubeflowClusterResolver(environ=jax_env)
+    assert (jax_resolver.coordinator_address, jax_resolver.num_processes) == ("c:5", 2)
+    assert jax_resolver.task_id == 1
+    with pytest.raises(ValueError, match="Received"):
+        cr.KubeflowClusterResolver(environ={})
+
+
+def test_keras_distribution_resolver():
+    env = {
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1:1234,10.0.0.2:2345",
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+        "KERAS_DISTRIBUTION_PROCESS_ID": "1",
+    }
+    resolver = cr.KerasDistributionClusterResolver(environ=env)
+    assert resolver.cluster_spec().as_dict() == {"worker": ["10.0.0.1:1234", "10.0.0.2:2345"]}
+    assert (resolver.coordinator_address, resolver.num_processes, resolver.task_id) == (
+        "10.0.0.1:1234",
+        2,
+        1,
+    )
+
+
+def test_resolve_cluster_order():
+    tf_config = json.dumps(
+        {"cluster": {"worker": ["w0:1", "w1:1"]}, "task": {"type": "worker", "index": 1}}
+    )
+    keras = {
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": "k:1",
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": "2",
+        "KERAS_DISTRIBUTION_PROCESS_ID": "0",
+    }
+    kubeflow = {"COORDINATOR_ADDRESS": "c", "NUM_PROCESSES": "2", "PROCESS_ID": "0"}
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    everything = {"TF_CONFIG": tf_config, **keras, **kubeflow, **slurm}
+    assert isinstance(cr.resolve_cluster(everything), cr.TFConfigClusterResolver)
+    # TF_CONFIG without a cluster does not count.
+    no_cluster = {**everything, "TF_CONFIG": '{"task": {"type": "worker", "index": 0}}'}
+    assert isinstance(cr.resolve_cluster(no_cluster), cr.KerasDistributionClusterResolver)
+    assert isinstance(cr.resolve_cluster({**kubeflow, **slurm}), cr.KubeflowClusterResolver)
+    assert isinstance(cr.resolve_cluster(slurm), cr.SlurmClusterResolver)
+    assert cr.resolve_cluster({**slurm, "SLURM_NTASKS": "1"}) is None
+    assert cr.resolve_cluster({}) is None
+
+
+def test_resolve_cluster_defaults_to_os_environ(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("TF_CONFIG", "KERAS_DISTRIBUTION_", "SLURM_", "JAX_COORD")):
+            monkeypatch.delenv(name)
+    for name in ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert cr.resolve_cluster() is None
+    _set_tf_config(monkeypatch, {"cluster": PS_WORKER_CLUSTER, "task": {"type": "ps", "index": 1}})
+    assert cr.resolve_cluster().master() == "ps1:2222"
+
+
+CHIEF_CLUSTER = {
+    "chief": ["127.0.0.1:1234"],
+    "worker": ["127.0.0.1:8964", "127.0.0.1:2333"],
+    "ps": ["127.0.0.1:1926", "127.0.0.1:3141"],
+}
+NO_CHIEF_CLUSTER = {"worker": ["127.0.0.1:8964", "127.0.0.1:2333"], "ps": ["127.0.0.1:1926"]}
+EVALUATOR_CLUSTER = {
+    "chief": ["127.0.0.1:1234"],
+    "worker": ["127.0.0.1:8964", "127.0.0.1:2333"],
+    "evaluator": ["127.0.0.1:2019"],
+}
+
+
+def test_is_chief_with_chief():
+    assert cr.is_chief(CHIEF_CLUSTER, "chief", 0)
+    assert not cr.is_chief(CHIEF_CLUSTER, "worker", 0)
+
+
+def test_is_chief_without_chief():
+    assert cr.is_chief(NO_CHIEF_CLUSTER, "worker", 0)
+    assert not cr.is_chief(NO_CHIEF_CLUSTER, "worker", 1)
+    with pytest.raises(ValueError, match="`task_type` 'chief' not found in cluster_spec."):
+        cr.is_chief(NO_CHIEF_CLUSTER, "chief", 0)
+    with pytest.raises(ValueError, match="The `task_id` 2 exceeds the maximum id of worker."):
+        cr.is_chief(NO_CHIEF_CLUSTER, "worker", 2)
+
+
+def test_evaluator_is_chief():
+    assert cr.is_chief(EVALUATOR_CLUSTER, "evaluator", 0)
+
+
+def test_is_chief_accepts_a_cluster_spec():
+    assert cr.is_chief(cr.ClusterSpec(NO_CHIEF_CLUSTER), "worker", 0)
+
+
+def test_disallowed_task_types():
+    with pytest.raises(ValueError, match="Disallowed task type found in cluster spec"):
+        cr.is_chief({"trainer": ["t:1"]}, "trainer", 0)
+    with pytest.raises(ValueError, match="Unrecognized task_type: trainer"):
+        cr.is_chief(NO_CHIEF_CLUSTER, "trainer", 0)
+
+
+def test_worker_count():
+    assert cr.worker_count(CHIEF_CLUSTER, task_type="chief") == 3
+    assert cr.worker_count(CHIEF_CLUSTER, task_type="worker") == 3
+    assert cr.worker_count(EVALUATOR_CLUSTER, task_type="evaluator") == 1
+    with pytest.raises(ValueError, match="Unexpected `task_type` 'ps'"):
+        cr.worker_count(CHIEF_CLUSTER, task_type="ps")
+
+
+def test_id_in_cluster():
+    assert cr.id_in_cluster(CHIEF_CLUSTER, "chief", 0) == 0
+    assert cr.id_in_cluster(CHIEF_CLUSTER, "worker", 1) == 2
+    assert cr.id_in_cluster(NO_CHIEF_CLUSTER, "worker", 1) == 1
+    assert cr.id_in_cluster(EVALUATOR_CLUSTER, "evaluator", 0) == 0
+    with pytest.raises(ValueError, match="There is no id for task_type 'ps'"):
+        cr.id_in_cluster(CHIEF_CLUSTER, "ps", 0)
+
+
+def test_multiple_chiefs():
+    cluster = {"chief": ["127.0.0.1:8258", "127.0.0.1:7566"], "worker": ["127.0.0.1:8964"]}
+    with pytest.raises(ValueError, match="There must be at most one 'chief' job."):
+        cr.id_in_cluster(cluster, "worker", 0)
+
+
+def test_collective_leader():
+    assert cr.collective_leader(CHIEF_CLUSTER, "worker", 0) == "/job:chief/replica:0/task:0"
+    assert cr.collective_leader(NO_CHIEF_CLUSTER, "worker", 1) == "/job:worker/replica:0/task:0"
+    assert cr.collective_leader({**CHIEF_CLUSTER, **EVALUATOR_CLUSTER}, "evaluator", 0) == ""
+    assert cr.collective_leader({}, None, 0) == ""
+
+
+def test_between_graph_properties_for_three_workers():
+    cluster = {"worker": ["w0:1", "w1:1", "w2:1"]}
+    flags = [
+        (
+            cr.should_init(cluster, "worker", i),
+            cr.should_checkpoint(cluster, "worker", i),
+            cr.should_save_summary(cluster, "worker", i),
+        )
+        for i in range(3)
+    ]
+    assert flags == [(True, True, True), (True, False, False), (True, False, False)]
+
+
+def test_single_process_checkpoints():
+    assert cr.should_checkpoint() and cr.should_save_summary() and cr.should_init()
+
+
+def test_cluster_without_task_raises():
+    message = "When `cluster_spec` is given, you must also specify `task_type` and `task_id`."
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cr.should_checkpoint({"worker": ["w0:1", "w1:1"]})
+    with pytest.raises(ValueError) as info:
+        cr.should_init({"worker": ["w0:1"]}, "worker", None)
+    assert message in str(info.value)
+
+
+WORKER_CLUSTER = {"worker": ["w0:1", "w1:1", "w2:1", "w3:1"]}
+
+
+def test_chief_writes_to_the_given_paths(tmp_path):
+    filepath = os.path.join(tmp_path, "foo.bar")
+    assert cr.write_filepath(filepath, "worker", 0, WORKER_CLUSTER) == filepath
+    assert cr.write_dirpath(str(tmp_path), "worker", 0, WORKER_CLUSTER) == str(tmp_path)
+    assert cr.write_filepath(filepath) == filepath  # one process
+
+
+def test_worker_writes_to_a_temp_dir(tmp_path):
+    dirpath = str(tmp_path)
+    filepath = os.path.join(dirpath, "foo.bar")
+    assert cr.write_filepath(filepath, "worker", 3, WORKER_CLUSTER) == os.path.join(
+        dirpath, "workertemp_3", "foo.bar"
+    )
+    assert cr.write_dirpath(dirpath, "worker", 3, WORKER_CLUSTER) == os.path.join(
+        dirpath, "workertemp_3"
+    )
+    assert os.path.isdir(os.path.join(dirpath, "workertemp_3"))
+
+
+def test_temp_dir_path_is_always_the_same(tmp_path):
+    first = cr.write_dirpath(str(tmp_path), "worker", 3, WORKER_CLUSTER)
+    assert cr.write_dirpath(first, "worker", 3, WORKER_CLUSTER) == first
+
+
+@pytest.mark.parametrize("remove_from", ["original", "temp"])
+def test_repeated_removal_is_fine(tmp_path, remove_from):
+    dir_to_write = cr.write_dirpath(str(tmp_path), "worker", 3, WORKER_CLUSTER)
+    with open(os.path.join(dir_to_write, "tmp"), "w") as f:
+        f.write("dummy")
+    target = str(tmp_path) if remove_from == "original" else dir_to_write
+    for _ in range(3):
+        cr.remove_temp_dirpath(target, "worker", 3, WORKER_CLUSTER)
+    assert not os.path.exists(dir_to_write)
+    assert os.path.isdir(tmp_path)
+
+
+def test_removal_only_on_non_chiefs(tmp_path):
+    (tmp_path / "workertemp_0").mkdir()
+    cr.remove_temp_dirpath(str(tmp_path), "worker", 0, WORKER_CLUSTER)
+    assert (tmp_path / "workertemp_0").is_dir()
+    temp_file = cr.write_filepath(str(tmp_path / "ckpt.keras"), "worker", 2, WORKER_CLUSTER)
+    open(temp_file, "w").close()
+    cr.remove_temp_dir_with_filepath(str(tmp_path / "ckpt.keras"), "worker", 2, WORKER_CLUSTER)
+    assert not (tmp_path / "workertemp_2").exists()

@@ -1,0 +1,649 @@
+"""MultiWorkerMirroredStrategy across real local processes (TF_CONFIG, 127.0.0.1 ports).
+
+Each test starts a small cluster with ``kd.launch`` or ``kd.testing.MultiProcessRunner``;
+the functions below run in the worker processes and return what the test checks.
+Expected values are TF's (its collective_all_reduce_strategy, input and multi-worker Keras
+tests) or a single device's.
+"""
+
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist import testing
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 180  # seconds per cluster; a hang fails the test with every worker's log
+
+
+def _launch(fn, num_workers=2, devices=1, **kwargs):
+    return kd.launch(
+        fn,
+        num_workers=num_workers,
+        devices_per_worker=devices,
+        timeout=TIMEOUT,
+        stream_output=False,
+        **kwargs,
+    )
+
+
+def _local(strategy, value):
+    return [np.asarray(c).tolist() for c in strategy.experimental_local_results(value)]
+
+
+# --------------------------------------------------------------------------- collectives
+def _collectives_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import jax.numpy as jnp
+
+    extended = strategy.extended
+    host = 1.0
+    ids = strategy.run(lambda: kd.get_replica_context().replica_id_in_sync_group)
+    ones = strategy.run(lambda: jnp.ones(()))
+
+    def all_reduce_step(x):
+        return kd.get_replica_context().all_reduce("SUM", x * 2.0)
+
+    values = strategy.experimental_distribute_values_from_function(
+        lambda context: np.float32(context.replica_id_in_sync_group)
+    )
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "task": (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id),
+        "should_checkpoint": extended.should_checkpoint,
+        # Spec 16: a host value v=1 is each worker's own.
+        "reduce_host": float(strategy.reduce("SUM", host, axis=None)),
+        "reduce_to_host": float(np.asarray(extended.reduce_to("SUM", host, host))),
+        "batch_reduce_host": [
+            float(np.asarray(x)) for x in extended.batch_reduce_to("SUM", [(host, host)] * 2)
+        ],
+        # ... and device values from run give the same.
+        "reduce_run": float(strategy.reduce("SUM", ones, axis=None)),
+        "batch_reduce_run": [
+            float(np.asarray(x.values[0]))
+            for x in extended.batch_reduce_to("SUM", [(ones, ones)] * 2)
+        ],
+        "ids": _local(strategy, ids),
+        "sum_ids": float(strategy.reduce("SUM", ids, axis=None)),
+        "mean_ids": float(strategy.reduce("MEAN", ids, axis=None)),
+        "all_reduce": _local(strategy, strategy.run(all_reduce_step, args=(values,))),
+        "gather": np.asarray(
+            strategy.gather(strategy.run(lambda: jnp.full((2,), ids_of_replica())), axis=0)
+        ).tolist(),
+    }
+
+
+def ids_of_replica():
+    return kd.get_replica_context().replica_id_in_sync_group
+
+
+def test_reduce_run_and_gather_on_two_workers_match_tf():
+    chief, worker = _launch(_collectives_worker)
+    for result in (chief, worker):
+        assert result["replicas"] == 2
+        assert result["reduce_host"] == 2.0
+        assert result["reduce_to_host"] == 2.0
+        assert result["batch_reduce_host"] == [2.0, 2.0]
+        assert result["reduce_run"] == 2.0
+        assert result["batch_reduce_run"] == [2.0, 2.0]
+        # Replica ids are int32: across workers MEAN divides as integers, as TF does.
+        assert result["sum_ids"] == 1.0 and result["mean_ids"] == 0.0
+        assert result["gather"] == [0, 0, 1, 1]
+        assert result["all_reduce"] == [2.0]  # 2 * (0 + 1)
+    assert (chief["task"], worker["task"]) == (("worker", 0), ("worker", 1))
+    assert (chief["ids"], worker["ids"]) == ([0], [1])
+    assert (chief["should_checkpoint"], worker["should_checkpoint"]) == (True, False)
+
+
+def _two_devices_each_worker(steps):
+    strategy = kd.MultiWorkerMirroredStrategy()
+
+    def step(x):
+        return kd.get_replica_context().all_reduce("SUM", x * 2.0)
+
+    values = strategy.experimental_distribute_values_from_function(
+        lambda context: np.float32(context.replica_id_in_sync_group)
+    )
+    for _ in range(steps):  # overlapping collectives hung across processes (docs/architecture.md)
+        out = strategy.run(step, args=(values,))
+    batches = strategy.experimental_distribute_dataset(_numpy(np.arange(15), 4))
+    return {
+        "ids": _local(strategy, strategy.run(ids_of_replica)),
+        "sum_of_ones": float(strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None)),
+        "stress": _local(strategy, out),
+        "last_batch": [_local(strategy, b) for b in batches][-1],
+    }
+
+
+@pytest.mark.stress
+def test_two_workers_with_two_devices_each_run_2000_collective_steps():
+    first, second = _launch(_two_devices_each_worker, devices=2, args=(2000,))
+    assert (first["ids"], second["ids"]) == ([0, 1], [2, 3])
+    assert first["sum_of_ones"] == second["sum_of_ones"] == 4.0
+    assert first["stress"] == second["stress"] == [12.0, 12.0]  # 2 * (0 + 1 + 2 + 3)
+    # Spec 51, 2x2 with range(15).batch(4): worker 0 ends [[12], [14]], worker 1 [[13], []].
+    assert first["last_batch"] == [[12], [14]]
+    assert second["last_batch"] == [[13], []]
+
+
+# --------------------------------------------------------------------------------- input
+def _numpy(values, batch_size, drop_remainder=False):
+    from keras_dist._input import NumpyDataset
+
+    return NumpyDataset(values).batch(batch_size, drop_remainder=drop_remainder)
+
+
+def _input_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+
+    def steps(dataset):
+        return [_local(strategy, batch) for batch in dataset]
+
+    def by_function(dataset_fn):
+        return steps(strategy.distribute_datasets_from_function(dataset_fn))
+
+    def data_sharded(values, batch_size):
+        return lambda context: kd.data.auto_shard(
+            kd.data.with_auto_shard_policy(_numpy(values, batch_size(context)), "DATA"), context
+        )
+
+    distribute = strategy.experimental_distribute_dataset
+    return {
+        "50_global": steps(distribute(_numpy(np.arange(14), 8))),
+        "50_function": by_function(
+            data_sharded(np.arange(14), lambda c: c.get_per_replica_batch_size(8))
+        ),
+        "50_shard_sums": [
+            sum(step[0]) for step in by_function(data_sharded(np.arange(10), lambda c: 5))
+        ][:1],
+        "51": steps(distribute(_numpy(np.arange(9), 2))),
+        "51_drop": steps(distribute(_numpy(np.arange(9), 2, drop_remainder=True))),
+        "52_auto": steps(distribute(_numpy(np.arange(4), 2))),
+        "52_off": steps(
+            distribute(kd.data.with_auto_shard_policy(_numpy(np.arange(12), 8), "OFF"))
+        ),
+        "52_data": steps(
+            distribute(kd.data.with_auto_shard_policy(_numpy(np.arange(8), 3), "DATA"))
+        ),
+        "53": by_function(lambda context: _numpy(np.arange(8 + context.input_pipeline_id), 2)),
+    }
+
+
+def test_input_pipelines_across_two_workers_match_tf():
+    chief, worker = _launch(_input_worker)
+    # Spec 50: range(14).batch(8), second step chief [8, 9, 10] and worker [11, 12, 13];
+    # from a function (per-replica 4, then shard) chief [8..11] and worker [12, 13];
+    # batch(5).shard: first-step sums chief 10, worker 35.
+    assert chief["50_global"] == [[[0, 1, 2, 3]], [[8, 9, 10]]]
+    assert worker["50_global"] == [[[4, 5, 6, 7]], [[11, 12, 13]]]
+    assert chief["50_function"][1] == [[8, 9, 10, 11]]
+    assert worker["50_function"][1] == [[12, 13]]
+    assert (chief["50_shard_sums"], worker["50_shard_sums"]) == ([10], [35])
+    # Spec 51: range(9).batch(2); drop_remainder keeps 4 steps.
+    assert chief["51"] == [[[0]], [[2]], [[4]], [[6]], [[8]]]
+    assert worker["51"] == [[[1]], [[3]], [[5]], [[7]], [[]]]
+    assert len(chief["51_drop"]) == len(worker["51_drop"]) == 4
+    # Spec 52: AUTO shards; OFF gives every worker everything; DATA with range(8).batch(3).
+    assert (chief["52_auto"], worker["52_auto"]) == ([[[0]], [[2]]], [[[1]], [[3]]])
+    assert chief["52_off"] == worker["52_off"] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]]
+    assert chief["52_data"] == [[[0, 1]], [[3, 4]], [[6]]]
+    assert worker["52_data"] == [[[2]], [[5]], [[7]]]
+    # Spec 53: pipelines of range(8) and range(9), batch 2: the last step is [[]] and [[8]].
+    assert (chief["53"][-1], worker["53"][-1]) == ([[]], [[8]])
+    assert len(chief["53"]) == len(worker["53"]) == 5
+
+
+# ------------------------------------------------------------------------------ failures
+def _loses_worker_1(how, timeout_seconds):
+    import os
+    import time
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
+    )
+    import keras
+
+    task_id = strategy.cluster_resolver.task_id
+
+    class LoseWorker1(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if task_id == 1 and batch == 5:
+                if how == "dies":
+                    os._exit(17)
+                time.sleep(3600)  # stuck outside the collective
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((640, 3), "float32"), np.ones((640, 1), "float32")
+    start = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[LoseWorker1()])
+    except kd.errors.OpError as error:
+        print(f"SURVIVOR {type(error).__name__} after {time.monotonic() - start:.1f} s: {error}")
+        raise
+    return "finished"
+
+
+def _run_losing_worker_1(how, timeout_seconds):
+    cluster = testing.create_cluster_spec(num_workers=2)
+    with testing.MultiProcessRunner(
+        _loses_worker_1,
+        cluster,
+        args=(how, timeout_seconds),
+        devices_per_worker=1,
+        stream_output=False,
+        dependence_on_chief=False,
+        failure_grace=90,
+        terminate_grace=2,
+    ) as runner:
+        runner.start()
+        # The first failure is raised: the lost task's exit or the survivor's error.
+        with pytest.raises((testing.UnexpectedSubprocessExitError, testing.WorkerError)):
+            runner.join(timeout=TIMEOUT)
+        survivor = runner.logs("worker", 0)
+        return survivor, runner.exit_code("worker", 0), runner.exit_code("worker", 1)
+
+
+def _seconds_until_error(log):
+    line = next(line for line in log.splitlines() if line.startswith("SURVIVOR"))
+    return float(line.split(" after ")[1].split(" s:")[0])
+
+
+def test_a_killed_worker_makes_the_survivor_raise_naming_it():
+    # Spec 68: the survivor raises UnavailableError within 60 s, and exits.
+    log, survivor_code, lost_code = _run_losing_worker_1("dies", timeout_seconds=60)
+    assert lost_code == 17
+    assert "SURVIVOR UnavailableError" in log, log
+    assert "Lost contact with worker 1" in log
+    assert _seconds_until_error(log) < 60
+    assert survivor_code == 1
+
+
+def test_a_stuck_worker_makes_the_survivor_raise_deadline_exceeded():
+    log, survivor_code, _ = _run_losing_worker_1("hangs", timeout_seconds=8)
+    assert "SURVIVOR DeadlineExceededError" in log, log
+    assert "within 8 s: worker 1 did not reach it" in log
+    assert 8 <= _seconds_until_error(log) < 30
+    assert survivor_code == 1
+
+
+# ------------------------------------------------------------------------------- training
+def _tiny_model():
+    import keras
+
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse", metrics=["mae"])
+    return model
+
+
+def _regression_data(rows):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 3)).astype("float32")
+    return x, x.sum(axis=1, keepdims=True)
+
+
+def _flat(weights):
+    return np.concatenate([np.ravel(w) for w in weights])
+
+
+def _fit_worker(directory):
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import keras
+
+    task_id = strategy.cluster_resolver.task_id
+    keras.utils.set_random_seed(task_id)  # each worker initializes differently...
+    with strategy.scope():
+        model = _tiny_model()
+    initial = _flat(model.get_weights())  # ...and reads worker 0's first values
+    x, y = _regression_data(69)  # 69 = 4 x 16 + 5: a last batch split 3 / 2
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            kd.callbacks.ModelCheckpoint(f"{directory}/ckpt/model.keras"),
+            kd.callbacks.ModelCheckpoint(
+                f"{directory}/ckpt/model.weights.h5", save_weights_only=True
+            ),
+            kd.callbacks.TensorBoard(f"{directory}/logs"),
+        ],
+    )
+    return {
+        "initial": initial,
+        "final": _flat(model.get_weights()),
+        "history": history.history,
+        "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
+        "predict": model.predict(x[:10], batch_size=4, verbose=0),
+    }
+
+
+def test_fit_on_two_workers_equals_one_device_and_checkpoints_once(tmp_path):
+    import os
+
+    import keras
+
+    chief, worker = _launch(_fit_worker, args=(str(tmp_path),))
+    np.testing.assert_array_equal(chief["initial"], worker["initial"])
+    np.testing.assert_array_equal(chief["final"], worker["final"])
+    # One device from the same first weights on the same global batches (spec 82's harness).
+    model = _tiny_model()
+    shapes = [w.shape for w in model.get_weights()]
+    split = np.split(chief["initial"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+    x, y = _regression_data(69)
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(chief["final"], _flat(model.get_weights()), atol=1e-5)
+    for key, values in history.history.items():
+        np.testing.assert_allclose(chief["history"][key], values, rtol=1e-5)
+        np.testing.assert_allclose(worker["history"][key], values, rtol=1e-5)
+    expected_eval = model.evaluate(x, y, batch_size=16, verbose=0)
+    np.testing.assert_allclose(chief["evaluate"], expected_eval, rtol=1e-5)
+    np.testing.assert_allclose(worker["predict"], model.predict(x[:10], verbose=0), atol=1e-5)
+    # Spec 66: the checkpoints exist once, written by the chief; no temp dir is left.
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["model.keras", "model.weights.h5"]
+    restored = keras.models.load_model(tmp_path / "ckpt" / "model.keras")
+    np.testing.assert_allclose(_flat(restored.get_weights()), chief["final"])
+    # TensorBoard writes only on the chief.
+    assert sorted(os.listdir(tmp_path / "logs")) == ["train"]
+
+
+def _resumable_worker(directory, fail_at_batch, marker, preemptible=False):
+    import os
+    import time
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=60)
+    )
+    import keras
+
+    task_id = strategy.cluster_resolver.task_id
+
+    class LoseWorker1Once(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen += 1
+            if task_id == 1 and self.seen == fail_at_batch and not os.path.exists(marker):
+                open(marker, "w").close()
+                if not preemptible:
+                    os._exit(13)  # killed mid-epoch, once
+            if preemptible and os.path.exists(marker):
+                time.sleep(0.2)  # leaves the test time to send SIGTERM mid-fit
+
+    keras.utils.set_random_seed(task_id + 10)
+    with strategy.scope():
+        model = _tiny_model()
+    x, y = _regression_data(160)
+    callbacks = [
+        kd.callbacks.BackupAndRestore(
+            f"{directory}/backup", save_freq=3, save_before_preemption=preemptible
+        )
+    ]
+    if fail_at_batch:
+        callbacks.append(LoseWorker1Once())
+    model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=callbacks)
+    return _flat(model.get_weights())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_weights(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    return _launch(_resumable_worker, args=(str(directory), 0, str(directory / "unused")))[0]
+
+
+def test_relaunch_after_a_lost_worker_resumes_to_the_uninterrupted_weights(
+    tmp_path, uninterrupted_weights
+):
+    import os
+
+    marker = str(tmp_path / "worker1_died")
+    # Worker 1 dies in epoch 2 (batch 14 of 30); worker 0 raises UnavailableError; the whole
+    # cluster starts again on new ports and resumes from the chief's backup (step 12).
+    resumed = _launch(
+        _resumable_worker, args=(str(tmp_path / "b"), 14, marker), max_restarts=1, failure_grace=60
+    )
+    assert os.path.exists(marker)
+    np.testing.assert_array_equal(resumed[0], resumed[1])
+    np.testing.assert_array_equal(resumed[0], uninterrupted_weights)
+    # Spec 67: the backup is removed once training succeeds.
+    assert not os.path.exists(tmp_path / "b" / "backup" / "chief")
+
+
+def test_sigterm_to_one_worker_saves_on_every_worker_and_the_rerun_resumes(
+    tmp_path, uninterrupted_weights
+):
+    import os
+    import signal
+    import time
+
+    marker = tmp_path / "worker1_mid_fit"
+    cluster = testing.create_cluster_spec(num_workers=2)
+    args = (str(tmp_path), 8, str(marker), True)
+    with testing.MultiProcessRunner(
+        _resumable_worker, cluster, args=args, devices_per_worker=1, stream_output=False
+    ) as runner:
+        runner.start()
+        deadline = time.monotonic() + TIMEOUT
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(runner.process_status()[("worker", 1)].pid, signal.SIGTERM)
+        with pytest.raises(testing.UnexpectedSubprocessExitError):
+            runner.join(timeout=TIMEOUT)
+        # TF's PreemptionCheckpointHandler: every worker saves at the same step, exits 42.
+        codes = [runner.exit_code("worker", i) for i in (0, 1)]
+        logs = runner.logs("worker", 0) + runner.logs("worker", 1)
+    assert codes == [42, 42], logs
+    assert (tmp_path / "backup" / "chief").exists()
+    assert not (tmp_path / "backup" / "workertemp_1").exists()
+    resumed = _launch(_resumable_worker, args=args)
+    np.testing.assert_array_equal(resumed[0], uninterrupted_weights)
+    np.testing.assert_array_equal(resumed[1], uninterrupted_weights)
+
+
+def _keras_correctness_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import keras
+
+    class IdentityRegularizer(keras.regularizers.Regularizer):
+        def __call__(self, x):
+            return x
+
+    class AddV(keras.layers.Layer):
+        def build(self, _):
+            self.v = self.add_weight(
+                name="v", shape=(), initializer="ones", regularizer=IdentityRegularizer()
+            )
+
+        def call(self, inputs):
+            return inputs + self.v
+
+    results = {}
+    with strategy.scope():
+        # Spec 83: Dense(1, kernel ones) with x in {0, 1}, y = x: accuracy [1.0, 1.0].
+        accuracy_model = keras.Sequential(
+            [keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)]
+        )
+        accuracy_model.compile("sgd", "mse", metrics=[keras.metrics.BinaryAccuracy()])
+        # Spec 84: sample weights in evaluate -> 10.625 (13.5 without).
+        weighted = keras.Sequential(
+            [keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")]
+        )
+        weighted.compile(keras.optimizers.RMSprop(0.001), "mse")
+        # Spec 85: the regularizer counts once: v goes from 1 to -1, not -2.
+        x_in = keras.Input((1,), batch_size=2)
+        regularized = keras.Model(x_in, AddV()(x_in))
+        regularized.compile(keras.optimizers.SGD(1.0), loss=lambda _, y: keras.ops.mean(y))
+    x = np.array([[0], [1]] * 8, "float32")
+    results["83"] = accuracy_model.fit(x, x, batch_size=4, epochs=2, verbose=0).history[
+        "binary_accuracy"
+    ]
+    x4 = np.array([[0], [1], [2], [3]], "float32")
+    y4 = np.array([[2], [4], [6], [8]], "float32")
+    weights = np.array([0.25, 0.5, 0.75, 1], "float32")
+    results["84"] = weighted.evaluate(x4, y4, batch_size=2, sample_weight=weights, verbose=0)
+    results["84_unweighted"] = weighted.evaluate(x4, y4, batch_size=2, verbose=0)
+    ones = np.ones((2, 1), "float32")
+    regularized.fit(ones, ones, batch_size=2, verbose=0)
+    results["85"] = float(regularized.get_weights()[0])
+    return results
+
+
+def test_keras_correctness_cases_on_two_workers_match_tf():
+    for result in _launch(_keras_correctness_worker):
+        assert result["83"] == [1.0, 1.0]
+        assert result["84"] == pytest.approx(10.625, rel=1e-6)
+        assert result["84_unweighted"] == pytest.approx(13.5, rel=1e-6)
+        assert result["85"] == -1.0
+
+
+def test_keras_dist_launch_runs_the_multi_worker_example(tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "multi_worker_fit.py"
+    command = [sys.executable, "-m", "keras_dist._launch._cli", "launch", "--workers", "2"]
+    command += [str(example), "--epochs", "2", "--output", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    accuracies = re.findall(
+        r"\[worker (\d)\] worker \1: .*final test accuracy: ([\d.]+)", done.stdout
+    )
+    assert len(accuracies) == 2 and accuracies[0][1] == accuracies[1][1], done.stdout
+    assert float(accuracies[0][1]) > 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["backup", "logs", "model.keras"]
+
+
+def _hand_started_worker():
+    import json
+    import os
+
+    import jax
+
+    # A JAX program that starts jax.distributed itself, without TF_CONFIG.
+    config = json.loads(os.environ.pop("TF_CONFIG"))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        config["cluster"]["worker"][0], num_processes=2, process_id=config["task"]["index"]
+    )
+    strategy = kd.MultiWorkerMirroredStrategy()
+    return (
+        strategy.num_replicas_in_sync,
+        strategy.cluster_resolver.task_id,
+        strategy.extended.should_checkpoint,
+        float(strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None)),
+    )
+
+
+def test_a_hand_started_jax_distributed_job_has_one_worker_per_process():
+    assert _launch(_hand_started_worker) == [(2, 0, True, 2.0), (2, 1, False, 2.0)]
+
+
+def _reduce_after_worker_1_crashes_once(marker):
+    import os
+
+    strategy = kd.MultiWorkerMirroredStrategy()
+    strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None)  # connects the workers
+    if strategy.cluster_resolver.task_id == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)  # spec 68: worker 1 crashes on its first run
+    return float(strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None))
+
+
+def test_a_restarted_cluster_gives_tf_results_after_a_crash(tmp_path):
+    # Spec 68's auto_restart case: the results are [2., 2.]. JAX processes cannot rejoin a
+    # running cluster, so the whole cluster restarts (kd.launch's max_restarts).
+    marker = str(tmp_path / "crashed")
+    results = _launch(
+        _reduce_after_worker_1_crashes_once, args=(marker,), max_restarts=1, failure_grace=60
+    )
+    assert results == [2.0, 2.0]
+
+
+def _uneven_data_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    task_id = strategy.cluster_resolver.task_id
+    with strategy.scope():
+        model = _tiny_model()
+    x, y = _regression_data(64 if task_id == 0 else 40)  # 4 batches of 16, or 3 (last 8)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+
+def test_workers_given_different_data_get_a_clear_error():
+    with pytest.raises(ValueError) as error:
+        _launch(_uneven_data_worker)
+    message = str(error.value)
+    assert "The workers were given different data" in message
+    assert "worker 0: 4 batches of 16 rows" in message
+    assert "worker 1: 3 batches of 16 rows (the last of 8)" in message
+
+
+def _best_checkpoint_worker(directory, interrupt):
+    """Fits 4 epochs with scores 1.0, 0.5, 0.9, 0.8; the first run stops after epoch 1."""
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=60)
+    )
+    import os
+
+    import keras
+
+    class Score(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["score"] = [1.0, 0.5, 0.9, 0.8][epoch]
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if interrupt and epoch == 1:
+                raise RuntimeError("interrupted")
+
+    with strategy.scope():
+        model = _tiny_model()
+    x, y = _regression_data(64)
+    checkpoint = kd.callbacks.ModelCheckpoint(
+        os.path.join(directory, "best_{epoch}.weights.h5"),
+        monitor="score",
+        mode="min",
+        save_best_only=True,
+        save_weights_only=True,
+    )
+    backup = kd.callbacks.BackupAndRestore(os.path.join(directory, "backup"))
+    try:
+        history = model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=4,
+            verbose=0,
+            callbacks=[Score(), backup, checkpoint, Interrupt()],
+        )
+    except RuntimeError:
+        return None
+    return history.epoch
+
+
+def test_model_checkpoint_best_survives_a_restart_on_every_worker(tmp_path):
+    import os
+
+    def saved():
+        return sorted(f for f in os.listdir(tmp_path) if f.endswith(".h5"))
+
+    assert _launch(_best_checkpoint_worker, args=(str(tmp_path), True)) == [None, None]
+    assert saved() == ["best_1.weights.h5", "best_2.weights.h5"]
+    # Restarted: both workers resume at epoch 2 with the chief's best (0.5), so the worse
+    # epochs 2 and 3 overwrite nothing, on the chief or in a worker's temporary directory.
+    epochs = _launch(_best_checkpoint_worker, args=(str(tmp_path), False))
+    assert epochs == [[2, 3], [2, 3]]
+    assert saved() == ["best_1.weights.h5", "best_2.weights.h5"]
+    # No worker's temporary directory is left, and the backup is gone once training ended.
+    assert sorted(os.listdir(tmp_path)) == ["backup", "best_1.weights.h5", "best_2.weights.h5"]
+    assert os.listdir(tmp_path / "backup") == []

@@ -1,0 +1,242 @@
+"""The parameter-server runtime: message bytes, the cluster token, the ps store, servers.
+
+The security case: a request without the cluster token is refused
+and logged before anything in it is decoded; the test sends a pickle that
+would set an environment variable when loaded and checks it never was, and,
+as a control, that the same request with the token does load it.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import threading
+
+import grpc
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist import errors
+from keras_dist.cluster_resolver import ClusterSpec
+from keras_dist.parameter_server.rpc import _wire
+from keras_dist.parameter_server.rpc._transport import RpcClient
+from keras_dist.parameter_server.rpc._transport import RpcServer
+from keras_dist.parameter_server.variables._client import Location
+from keras_dist.parameter_server.variables._client import ParameterServers
+from keras_dist.parameter_server.variables._client import Shard
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _cluster(num_ps=1, num_workers=1):
+    port = kd.testing.pick_unused_port
+    return {
+        "ps": [f"127.0.0.1:{port()}" for _ in range(num_ps)],
+        "worker": [f"127.0.0.1:{port()}" for _ in range(num_workers)],
+    }
+
+
+def test_messages_carry_raw_buffers():
+    arrays = [
+        np.arange(6, dtype="float32").reshape(2, 3),
+        np.float64(2.5),
+        np.zeros((0, 4), "int8"),
+        np.array([1.5, -2], dtype=ml_dtypes.bfloat16),
+    ]
+    header, decoded, blob = _wire.decode(_wire.encode({"op": "x", "n": 1}, arrays, b"tail"))
+    assert header == {"op": "x", "n": 1} and blob == b"tail"
+    for original, back in zip(arrays, decoded):
+        assert back.dtype == np.asarray(original).dtype
+        assert back.shape == np.shape(original)
+        np.testing.assert_array_equal(back, original)
+    with pytest.raises(ValueError, match="Not a keras_dist parameter-server message"):
+        _wire.decode(b"GET / HTTP/1.1")
+
+
+def test_request_without_token_is_refused_and_never_unpickled(caplog):
+    cluster = _cluster()
+    worker = kd.Server(cluster, job_name="worker", task_index=0)
+    try:
+        marker = "KERAS_DIST_TEST_UNPICKLED"
+        os.environ.pop(marker, None)
+        payload = pickle.dumps(_SetsEnvironment(marker))
+        header = {"op": "dataset", "dataset_id": "d", "worker_index": 0}
+        stranger = RpcClient(cluster["worker"][0], name="worker0", token="not-the-token")
+        with pytest.raises(errors.UnauthenticatedError, match="refused"):
+            stranger.call(header, (), payload, timeout=10)
+        assert marker not in os.environ
+        assert worker.refused_requests == 1
+        assert "without the cluster token" in caplog.text
+        # Control: with the token the same request is decoded (and the pickle loaded).
+        member = RpcClient(cluster["worker"][0], name="worker0")
+        with pytest.raises(errors.OpError):
+            member.call(header, (), payload, timeout=10)
+        assert os.environ.pop(marker) == "1"
+    finally:
+        worker.stop()
+
+
+class _SetsEnvironment:
+    def __init__(self, name):
+        self.name = name
+
+    def __reduce__(self):
+        return (exec, (f"import os; os.environ[{self.name!r}] = '1'",))
+
+
+def test_servers_listen_only_on_the_spec_address():
+    cluster = _cluster()
+    server = kd.Server(cluster, job_name="ps", task_index=0)
+    try:
+        port = int(cluster["ps"][0].rsplit(":", 1)[1])
+        listening = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if not os.path.exists(table):
+                continue
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    address, hex_port = local.split(":")
+                    if int(hex_port, 16) == port and state == "0A":  # LISTEN
+                        listening.append(address)
+        # 127.0.0.1 only (gRPC may bind it as the IPv4-mapped ::ffff:127.0.0.1), never
+        # 0.0.0.0 or ::.
+        assert listening
+        assert set(listening) <= {"0100007F", "0000000000000000FFFF00000100007F"}
+    finally:
+        server.stop()
+
+
+def test_store_updates_are_atomic_per_request():
+    cluster = _cluster()
+    server = kd.Server(cluster, job_name="ps", task_index=0)
+    servers = ParameterServers(ClusterSpec(cluster))
+    try:
+        location = Location((Shard(0, "counter", None),), (), "int64")
+        servers.create(location, np.int64(0))
+
+        def bump():
+            for _ in range(100):
+                servers.update([(location, "add", np.int64(1))])
+
+        threads = [threading.Thread(target=bump) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert int(servers.read([location])[0]) == 400
+        with pytest.raises(errors.NotFoundError, match="holds no variable"):
+            servers.read([Location((Shard(0, "missing", None),), (), "int64")])
+    finally:
+        servers.close()
+        server.stop()
+
+
+def test_a_lost_ps_task_is_unavailable_and_named():
+    cluster = _cluster()
+    servers = ParameterServers(ClusterSpec(cluster), timeout=5)
+    with pytest.raises(errors.UnavailableError) as raised:
+        servers.ping(0)
+    assert raised.value.lost_tasks == ("/job:ps/replica:0/task:0",)
+    assert "/job:ps/replica:0/task:0" in str(raised.value)
+
+
+def test_server_checks_its_arguments():
+    with pytest.raises(ValueError, match="gRPC only"):
+        kd.Server(_cluster(), job_name="ps", task_index=0, protocol="rdma", start=False)
+    with pytest.raises(ValueError, match="job_name"):
+        kd.Server(_cluster(), job_name="trainer", task_index=0, start=False)
+
+
+def _certificate(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert
+
+
+needs_openssl = pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs openssl for a test certificate"
+)
+
+
+@needs_openssl
+def test_tls_credentials(tmp_path):
+    key, cert = _certificate(tmp_path)
+    server_credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    address = f"127.0.0.1:{kd.testing.pick_unused_port()}"
+    server = RpcServer(
+        address,
+        lambda h, a, b: ({"echo": h["op"]}, a, b),
+        name="tls",
+        credentials=server_credentials,
+    )
+    server.start()
+    try:
+        client = RpcClient(
+            address, name="tls", credentials=grpc.ssl_channel_credentials(cert.read_bytes())
+        )
+        header, arrays, _ = client.call({"op": "hello"}, [np.arange(3)], timeout=10)
+        assert header == {"echo": "hello"} and arrays[0].tolist() == [0, 1, 2]
+        plain = RpcClient(address, name="tls")
+        with pytest.raises(errors.UnavailableError):
+            plain.call({"op": "hello"}, timeout=5)
+    finally:
+        server.stop()
+
+
+@needs_openssl
+def test_tls_from_the_environment_covers_the_whole_cluster(tmp_path, monkeypatch):
+    key, cert = _certificate(tmp_path)
+    monkeypatch.setenv("KERAS_DIST_TLS_CERT", str(cert))
+    monkeypatch.setenv("KERAS_DIST_TLS_KEY", str(key))
+    resolver = kd.testing.create_in_process_cluster(num_workers=1, num_ps=1)
+    strategy = kd.ParameterServerStrategy(resolver)
+    coordinator = kd.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        v = keras.Variable(1.0)
+    coordinator.schedule(lambda: v.assign_add(2.0))
+    coordinator.join()
+    assert float(v.numpy()) == 3.0
+    coordinator.stop()
+    monkeypatch.delenv("KERAS_DIST_TLS_CERT")
+    plain = RpcClient(resolver.cluster_spec().task_address("ps", 0), name="ps0")
+    with pytest.raises(errors.UnavailableError):
+        plain.call({"op": "ping"}, timeout=5)
+
+
+def test_a_task_process_keeps_its_step_buffers(monkeypatch):
+    from keras_dist.parameter_server.tasks._memory import is_own_task
+    from keras_dist.parameter_server.tasks._memory import keep_freed_buffers
+
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"task": {"type": "ps", "index": 1}}))
+    assert is_own_task("ps", 1)
+    assert not is_own_task("ps", 0) and not is_own_task("worker", 1)
+    monkeypatch.setenv("TF_CONFIG", "not json")
+    assert not is_own_task("ps", 1)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
+    assert not keep_freed_buffers()  # the user's own glibc settings win
