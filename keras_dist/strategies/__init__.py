@@ -1,14 +1,16 @@
 """The strategies, one file each, and the contract they fulfil (``StrategyExtended``).
 
 * ``_strategy``: ``Strategy``, the public face every strategy shares.
-* ``_extended``: ``StrategyExtended``, the contract between a strategy and the
-  engines, inputs, Keras integration and callbacks.
+* ``_extended``: ``StrategyExtended``, the core contract between a strategy and
+  the engines, inputs, Keras integration and callbacks (abilities only some
+  strategies have are interfaces in ``keras_dist/_capabilities.py``).
 * ``_default``, ``_one_device``, ``_mirrored``, ``_central_storage``,
-  ``_multi_worker_mirrored``, ``_tpu``: the strategies (``_logical_devices``:
-  TPU logical devices, a replica spanning several devices).
+  ``_multi_worker_mirrored``, ``_tpu``, ``_parameter_server``: the strategies
+  (``_logical_devices``: TPU logical devices, a replica spanning several devices).
 * ``_mesh_extended`` (with ``_placement``, ``_variable_registry`` and
-  ``_mesh_reductions``): the contract's implementation for strategies whose
-  replicas are the devices of one mesh.
+  ``_mesh_reductions``): ``MeshRuntime``, the implementation for strategies whose
+  replicas are the devices of one mesh. The parameter-server strategy runs on
+  ``keras_dist/parameter_server/``.
 
 >>> import keras_dist as kd
 >>> from keras_dist import strategies

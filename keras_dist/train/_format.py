@@ -22,7 +22,9 @@ array([0., 1., 2.])
 import io
 import json
 import os
+import struct
 import zipfile
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -34,7 +36,10 @@ INDEX = "keras_dist_checkpoint.json"
 FORMAT = "keras_dist.train.Checkpoint"
 VERSION = 1
 
-# What a file that is not a whole checkpoint raises while it is decoded.
+# What a file that is not a whole checkpoint raises while it is decoded. A flipped
+# bit in a ZIP header can name a compression method zipfile lacks
+# (NotImplementedError), set the "encrypted" flag (RuntimeError), or give sizes
+# and offsets that break zlib or struct.
 _UNDECODABLE = (
     zipfile.BadZipFile,
     zipfile.LargeZipFile,
@@ -45,6 +50,11 @@ _UNDECODABLE = (
     TypeError,
     EOFError,
     OSError,
+    NotImplementedError,
+    RuntimeError,
+    OverflowError,
+    zlib.error,
+    struct.error,
 )
 
 

@@ -370,6 +370,71 @@ def test_damaged_checkpoint_raises_naming_it_and_the_manager_falls_back(tmp_path
         kd.train.latest_checkpoint(str(tmp_path))
 
 
+def _header_offsets(path) -> list:
+    """The bytes of every ZIP header in ``path``: local headers, central directory, end record."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+    size = os.path.getsize(path)
+    offsets = []
+    for info in infos:
+        start = info.header_offset
+        offsets += range(start, start + 30 + len(info.filename.encode()))
+    directory = min(size, size - 22 - sum(46 + len(i.filename.encode()) for i in infos))
+    offsets += range(directory, size)
+    return sorted(set(offsets))
+
+
+def test_every_flipped_bit_in_the_zip_headers_is_a_named_error_or_harmless(tmp_path):
+    # A flipped bit in a header can name an unknown compression method
+    # (zipfile: NotImplementedError) or set the "encrypted" flag (RuntimeError):
+    # both must read as a damaged checkpoint, so the manager falls back past it.
+    v = keras.Variable(np.arange(8, dtype="float32"))
+    path = kd.train.Checkpoint(v=v).write(str(tmp_path / "ckpt"))
+    original = open(path + ".npz", "rb").read()
+    outcomes = {"restored": 0, "unreadable": 0}
+    for offset in _header_offsets(path + ".npz"):
+        for bit in range(8):
+            damaged = bytearray(original)
+            damaged[offset] ^= 1 << bit
+            with open(path + ".npz", "wb") as file:
+                file.write(bytes(damaged))
+            v.assign(np.zeros(8, "float32"))
+            try:
+                kd.train.Checkpoint(v=v).read(path)
+            except kd.train.CheckpointUnreadableError:
+                outcomes["unreadable"] += 1
+                np.testing.assert_array_equal(np.asarray(v.value), np.zeros(8))
+            else:
+                outcomes["restored"] += 1
+                np.testing.assert_array_equal(np.asarray(v.value), np.arange(8))
+    assert outcomes["unreadable"] > 0 and outcomes["restored"] > 0, outcomes
+
+
+@pytest.mark.parametrize("field", ["compression method", "encrypted flag"])
+def test_a_damaged_header_makes_the_manager_fall_back(tmp_path, field):
+    import zipfile
+
+    v = keras.Variable(np.zeros(4, "float32"))
+    manager = kd.train.CheckpointManager(kd.train.Checkpoint(v=v), str(tmp_path), max_to_keep=3)
+    for value in (1.0, 2.0):
+        v.assign(np.full(4, value, "float32"))
+        manager.save()
+    latest = manager.latest_checkpoint + ".npz"
+    with zipfile.ZipFile(latest) as archive:
+        entry = archive.start_dir  # the first member's central-directory record
+    data = bytearray(open(latest, "rb").read())
+    if field == "compression method":
+        data[entry + 10] = 99  # no such method: zipfile raises NotImplementedError
+    else:
+        data[entry + 8] |= 1  # "encrypted": zipfile raises RuntimeError
+    with open(latest, "wb") as file:
+        file.write(bytes(data))
+    assert manager.restore_or_initialize() == str(tmp_path / "ckpt-1")
+    np.testing.assert_array_equal(np.asarray(v.value), np.ones(4))
+
+
 def _play(monkeypatch, role):
     monkeypatch.setattr(_objects, "process_role", lambda variables: role)
 
