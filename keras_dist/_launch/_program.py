@@ -5,11 +5,14 @@ A program gives the command line of each task and reads back what the task produ
 the ``keras-dist launch`` command.
 """
 
+import collections
 import functools
 import importlib.metadata
+import io
 import os
 import pickle
 import sys
+import types
 from typing import Any
 from typing import NamedTuple
 
@@ -130,6 +133,27 @@ class ScriptProgram:
         return Outcome(returned=False)
 
 
+# cloudpickle (3.1.3 and later) names the code of a function sent by value
+# "<dynamic-code>", so a task's traceback would show no source lines. The tasks run
+# on this machine, where the file is: keep its name.
+_REDUCE_CODE = cloudpickle.Pickler.dispatch_table[types.CodeType]
+_DYNAMIC_CODE = "<dynamic-code>"
+
+
+def _code_with_its_file(code):
+    constructor, arguments = _REDUCE_CODE(code)
+    arguments = tuple(code.co_filename if a == _DYNAMIC_CODE else a for a in arguments)
+    return constructor, arguments
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle's pickler; a function sent by value keeps its file name (tracebacks)."""
+
+    dispatch_table = collections.ChainMap(
+        {types.CodeType: _code_with_its_file}, cloudpickle.Pickler.dispatch_table
+    )
+
+
 def _dumps(obj, modules) -> bytes:
     """cloudpickle ``obj``, taking ``modules`` by value (the tasks could not import them)."""
     registered = []
@@ -140,7 +164,9 @@ def _dumps(obj, modules) -> bytes:
                 registered.append(module)
             except ValueError:
                 pass  # Already registered by the user.
-        return cloudpickle.dumps(obj)
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+        return buffer.getvalue()
     finally:
         for module in registered:
             cloudpickle.unregister_pickle_by_value(module)
