@@ -147,7 +147,7 @@ class RemoteScheduling(OwnsVariables):
 
     @abc.abstractmethod
     def set_settle(self, settle) -> None:
-        """What to wait for before this process reads a variable (``fit``'s steps)."""
+        """What to wait for before a read here: a weak reference to ``fit``'s steps' ``settle``."""
 
     @abc.abstractmethod
     def settle(self) -> None:

@@ -21,6 +21,8 @@ a ``kd.experimental.DatasetCreator`` is read by every worker from its own
 pipeline.
 """
 
+import weakref
+
 import jax
 import numpy as np
 
@@ -60,7 +62,9 @@ class ParameterServerSteps:
     """The train/test/predict functions Keras's loops call under ParameterServerStrategy."""
 
     def __init__(self, model, strategy):
-        self.model = model
+        # Weakly: the strategy keeps these steps per model, and a model dropped by
+        # the user must be freed (its variables on the ps tasks with it).
+        self._model = weakref.ref(model)
         self.strategy = strategy
         extended = strategy.extended
         if extended.experimental_between_graph:
@@ -71,6 +75,13 @@ class ParameterServerSteps:
         self._pending: list = []
         self._last_logs = None
         self._iterators: dict = {}
+
+    @property
+    def model(self):
+        model = self._model()
+        if model is None:
+            raise RuntimeError("The model of these steps was deleted.")
+        return model
 
     # Keras's loops call ``fn(state, iterator)`` and unpack ``(logs, state)``.
     def train_function(self, state, iterator):
@@ -97,7 +108,7 @@ class ParameterServerSteps:
 
     def _schedule(self, steps, iterator):
         """Schedules the batches' steps; returns the logs of the latest step that finished."""
-        self.strategy.extended.set_settle(self.settle)
+        self.strategy.extended.set_settle(weakref.WeakMethod(self.settle))
         for batch in self._batches(iterator):
             if _from_workers(batch):
                 # A DatasetCreator: the worker reads the batch from its own pipeline.

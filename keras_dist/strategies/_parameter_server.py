@@ -285,13 +285,15 @@ class ParameterServerExtended(StrategyExtended, RemoteScheduling):
         self._consistency_epoch += 1
 
     def set_settle(self, settle) -> None:
-        """What to wait for before the coordinator reads a variable (fit's steps)."""
+        """What to wait for before the coordinator reads a variable: a weak reference to
+        fit's steps' ``settle`` (a dropped model's steps are not kept alive here)."""
         self._settle = settle
 
     def settle(self) -> None:
         """Waits for scheduled ``fit`` steps, so a read here sees their writes."""
-        if self._settle is not None and current_trace() is None:
-            self._settle()
+        settle = self._settle() if self._settle is not None else None
+        if settle is not None and current_trace() is None:
+            settle()
 
     def _key_prefix_for(self, variable) -> str:
         # Between-graph, each worker keeps its own metrics (TF1's local variables):

@@ -116,3 +116,43 @@ def _op_literals(path: pathlib.Path) -> list:
 def test_every_request_is_built_from_the_schema():
     modules = [p for p in PACKAGE.rglob("*.py") if p.name != "_protocol.py"]
     assert [hit for path in modules for hit in _op_literals(path)] == []
+
+
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        (np.array(["x", "y"]), "dtype the variable cannot take"),
+        (np.ones(3), "wrong shape"),
+        (np.ones(2, np.complex64), "dtype the variable cannot take"),
+    ],
+    ids=["a string", "a shape", "complex into float"],
+)
+def test_a_request_whose_second_write_cannot_be_applied_changes_nothing(second, message):
+    store = VariableStore("/job:ps/task:0")
+    store.handle({"op": "create", "keys": ["a", "b"]}, [np.zeros(2), np.zeros(2)], b"")
+    before = store.version
+    header = {"op": "update", "writes": [["a", "add"], ["b", "assign"]]}
+    with pytest.raises(kd.errors.InvalidArgumentError, match=message):
+        store.handle(header, [np.ones(2), second], b"")
+    _, values, _ = _wire.decode(store.handle({"op": "read", "keys": ["a", "b"]}, [], b""))
+    np.testing.assert_array_equal(values[0], [0.0, 0.0])
+    np.testing.assert_array_equal(values[1], [0.0, 0.0])
+    assert store.version == before
+
+
+def test_an_update_with_arrays_missing_is_refused_whole():
+    store = VariableStore("/job:ps/task:0")
+    store.handle({"op": "create", "keys": ["a", "b"]}, [np.zeros(2), np.zeros(2)], b"")
+    header = {"op": "update", "writes": [["a", "add"], ["b", "add"]]}
+    with pytest.raises(kd.errors.InvalidArgumentError, match="carries 1 arrays for 2 writes"):
+        store.handle(header, [np.ones(2)], b"")
+    _, values, _ = _wire.decode(store.handle({"op": "read", "keys": ["a"]}, [], b""))
+    np.testing.assert_array_equal(values[0], [0.0, 0.0])
+
+
+def test_a_float64_write_to_a_float32_variable_is_taken():
+    store = VariableStore("/job:ps/task:0")
+    store.handle({"op": "create", "keys": ["a"]}, [np.zeros(2, np.float32)], b"")
+    store.handle({"op": "update", "writes": [["a", "add"]]}, [np.ones(2, np.float64)], b"")
+    _, values, _ = _wire.decode(store.handle({"op": "read", "keys": ["a"]}, [], b""))
+    assert values[0].dtype == np.float32 and values[0].tolist() == [1.0, 1.0]

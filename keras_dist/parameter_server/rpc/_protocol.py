@@ -88,7 +88,13 @@ RUN = Op(
     (("epoch", (int, type(None))), ("n_arrays", int)),
     arrays="the program's inputs",
 )
-RUN_MANY = Op("run_many", "worker", (("calls", list),), arrays="each call's inputs, in order")
+RUN_MANY = Op(
+    "run_many",
+    "worker",
+    (("calls", list),),
+    (("unload", list),),  # programs the coordinator freed: dropped before the calls run
+    arrays="each call's inputs, in order",
+)
 DATASET = Op(
     "dataset",
     "worker",

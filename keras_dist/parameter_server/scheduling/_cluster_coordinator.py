@@ -78,7 +78,7 @@ class ClusterCoordinator:
         # no faster here, and reordered a lone worker's steps). A request may
         # carry a few closures of one program (``RUNS_PER_REQUEST``).
         self._workers = [
-            WorkerThread(i, address, self._queue, alive, len(addresses))
+            WorkerThread(i, address, self._queue, alive, len(addresses), strategy.extended.programs)
             for i, address in enumerate(addresses)
             for _ in range(CLOSURES_PER_WORKER)
         ]

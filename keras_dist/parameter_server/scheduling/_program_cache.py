@@ -118,6 +118,14 @@ class ProgramCache:
         self._programs: dict = {}
         self._lock = threading.Lock()
         self.traces = 0  # how many programs were traced (tests count retraces)
+        # Programs freed here (their function or variables are gone): each worker
+        # that loaded one is told to drop it with its next request.
+        self._dropped: set = set()
+
+    @property
+    def dropped(self) -> frozenset:
+        """The ids of programs freed on the coordinator, which workers may still hold."""
+        return frozenset(self._dropped)
 
     def call(self, fn, args, kwargs) -> Call:
         """Traces ``fn`` for these arguments (once per signature); the ``Call`` to send."""
@@ -274,7 +282,7 @@ class ProgramCache:
         for _, update in plan:
             strategy.extended.parameter_servers.load_update(update)
         self.traces += 1
-        return Program(
+        program = Program(
             bytes(exported.serialize()),
             keep,
             record["writes"],
@@ -282,6 +290,8 @@ class ProgramCache:
             counts,
             [update for _, update in plan],
         )
+        weakref.finalize(program, self._dropped.add, program.program_id).atexit = False
+        return program
 
 
 def _platforms() -> tuple:

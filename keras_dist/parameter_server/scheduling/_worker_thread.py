@@ -43,7 +43,7 @@ def _ps_tasks(error: errors.OpError) -> list:
 class WorkerThread:
     """Runs closures from ``queue`` on worker ``index`` of ``num_workers`` at ``address``."""
 
-    def __init__(self, index: int, address: str, queue, alive, num_workers: int = 1):
+    def __init__(self, index, address: str, queue, alive, num_workers: int = 1, programs=None):
         self.index = index
         self.name = f"/job:worker/replica:0/task:{index}"
         self.client = RpcClient(address, name=self.name)
@@ -51,6 +51,7 @@ class WorkerThread:
         self._alive = alive  # returns False once the coordinator is gone
         self._num_workers = num_workers
         self._sent: set = set()  # programs, datasets and iterators this worker has
+        self._programs = programs  # the ProgramCache: which programs were freed
         self.available = True
         self._thread = threading.Thread(target=self._loop, name=f"kd-{self.name}", daemon=True)
         self._thread.start()
@@ -157,7 +158,7 @@ class WorkerThread:
             )
             arrays += arguments
         reply, results, _ = self.client.call(
-            protocol.request(protocol.RUN_MANY, calls=headers),
+            protocol.request(protocol.RUN_MANY, calls=headers, unload=self._freed_programs()),
             arrays,
             timeout=RUN_TIMEOUT * len(calls),
         )
@@ -171,6 +172,14 @@ class WorkerThread:
             except errors.OpError as error:
                 return values, error
         return values, failure
+
+    def _freed_programs(self) -> list:
+        """Programs this worker loaded that the coordinator freed: it drops them now."""
+        if self._programs is None:
+            return []
+        freed = sorted(self._sent & self._programs.dropped)
+        self._sent.difference_update(freed)
+        return freed
 
     def _ensure(self, call) -> None:
         program = call.program

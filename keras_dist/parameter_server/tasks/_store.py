@@ -38,6 +38,11 @@ class VariableStore:
         self._lock = threading.Lock()
         self.version = 0  # bumped by every write; lets readers skip unchanged values
 
+    def keys(self) -> list:
+        """The keys of the variables this task holds (one per variable or shard)."""
+        with self._lock:
+            return sorted(self._values)
+
     def handle(self, header: dict, arrays: list, blob: bytes):
         """Answers one request: ``(header, arrays, blob)``, or an encoded reply (reads)."""
         op = protocol.check_request(header, "ps").name
@@ -92,34 +97,44 @@ class VariableStore:
 
     def _update(self, header, arrays):
         writes = header["writes"]
+        updates_header = header.get("updates", ())
+        expected = len(writes) + sum(count for _, count in updates_header)
+        if len(arrays) != expected:
+            raise errors.InvalidArgumentError(
+                f"An `update` request to {self.task_name} carries {len(arrays)} arrays for "
+                f"{len(writes)} writes and optimizer updates of {expected - len(writes)} "
+                f"arrays. Received: {len(arrays)} arrays"
+            )
         with self._lock:
-            # Everything is checked before anything changes: a request is
-            # applied whole or not at all.
-            targets = [self._lookup(key) for key, _ in writes]
-            for (key, _), target, value in zip(writes, targets, arrays):
-                if value.shape != target.shape:
-                    raise errors.InvalidArgumentError(
-                        f"A write to {key!r} on {self.task_name} has the wrong shape. "
-                        f"Received: shape {value.shape}, variable shape {target.shape}"
-                    )
-            updates = [(self._loaded_update(u), count) for u, count in header.get("updates", ())]
+            # A request is applied whole or not at all: every new value is computed
+            # into ``staged`` first (a write that cannot be applied raises there), and
+            # the store changes only once all of them are.
+            for (key, _), value in zip(writes, arrays):
+                _check_write(self.task_name, key, self._lookup(key), value)
+            updates = [(self._loaded_update(u), count) for u, count in updates_header]
+            staged: dict = {}
+
+            def current(key):
+                return staged[key] if key in staged else self._lookup(key)
+
             # Optimizer updates first: they read the iteration count before
             # this step's increment, as Keras's ``apply`` does.
             position = len(writes)
             for update, count in updates:
-                held = [self._lookup(key) for key in update.held]
+                held = [current(key) for key in update.held]
                 for key, value in update.run(held, arrays[position : position + count]):
-                    self._values[key] = value
+                    staged[key] = value
                 position += count
             for (key, kind), value in zip(writes, arrays):
-                target = self._values[key]  # as the updates left it
+                target = current(key)  # as the updates left it
                 # New arrays, not in place: an optimizer update's results are
                 # read-only JAX arrays, and ``value`` is a view of the request.
                 if kind == "assign":
-                    self._values[key] = np.array(value, dtype=target.dtype)
+                    staged[key] = np.array(value, dtype=target.dtype)
                 else:
                     combine = np.add if kind == "add" else np.subtract
-                    self._values[key] = combine(target, value).astype(target.dtype, copy=False)
+                    staged[key] = combine(target, value).astype(target.dtype, copy=False)
+            self._values.update(staged)
             self.version += 1
             version = self.version
             values = [self._lookup(key) for key in header.get("read", ())]
@@ -139,3 +154,23 @@ class VariableStore:
         for key in update.held:
             self._lookup(key)
         return update
+
+
+def _check_write(task_name: str, key: str, target, value) -> None:
+    """Raises ``InvalidArgumentError`` unless ``value`` can be written to ``target``."""
+    if value.shape != target.shape:
+        raise errors.InvalidArgumentError(
+            f"A write to {key!r} on {task_name} has the wrong shape. "
+            f"Received: shape {value.shape}, variable shape {target.shape}"
+        )
+    if value.dtype == target.dtype:
+        return
+    try:  # float64 into float32 is fine (same kind); a string or complex into floats is not
+        castable = value.dtype != object and np.can_cast(value.dtype, target.dtype, "same_kind")
+    except TypeError:
+        castable = False
+    if not castable:
+        raise errors.InvalidArgumentError(
+            f"A write to {key!r} on {task_name} has a dtype the variable cannot take. "
+            f"Received: dtype {value.dtype}, variable dtype {target.dtype}"
+        )

@@ -93,6 +93,12 @@ class WorkerService:
         self._run_lock = threading.Lock()
         self.runs = 0
 
+    @property
+    def loaded_programs(self) -> list:
+        """The ids of the programs this worker holds (the coordinator's live ones)."""
+        with self._lock:
+            return sorted(self._programs)
+
     def handle(self, header: dict, arrays: list, blob: bytes):
         op = protocol.check_request(header, "worker").name
         if op == "ping":
@@ -153,6 +159,9 @@ class WorkerService:
         Stops at the first that fails: the reply has the results of those
         that ran (``done``) and the failure's error fields under ``failed``.
         """
+        with self._lock:
+            for program_id in header.get("unload", ()):
+                self._programs.pop(program_id, None)
         results, counts, position, failed = [], [], 0, None
         for call in header["calls"]:
             arguments = arrays[position : position + call["n_arrays"]]
