@@ -7,10 +7,12 @@ as a control, that the same request with the token does load it.
 """
 
 import json
+import logging
 import os
 import pickle
 import shutil
 import subprocess
+import sys
 import threading
 
 import grpc
@@ -78,6 +80,39 @@ def test_request_without_token_is_refused_and_never_unpickled(caplog):
         assert os.environ.pop(marker) == "1"
     finally:
         worker.stop()
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_a_stranger_s_huge_request_is_refused_before_the_server_reads_it():
+    # Before, grpcio received and assembled the whole message before the token was
+    # checked: 512 MiB from a client without the token grew the server by 512 MiB.
+    cluster = _cluster()
+    ps = kd.Server(cluster, job_name="ps", task_index=0)
+    try:
+        before = _resident_mib()
+        code = (
+            "import grpc, sys\n"
+            f"channel = grpc.insecure_channel({cluster['ps'][0]!r}, "
+            "options=[('grpc.max_send_message_length', -1)])\n"
+            "call = channel.unary_unary('/keras_dist.ps.Task/Call')\n"
+            "try:\n"
+            "    call(b'x' * (256 * 2**20), timeout=60)\n"
+            "except grpc.RpcError as error:\n"
+            "    print(error.code().name)\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+        assert result.stdout.strip() == "UNAUTHENTICATED", result.stdout + result.stderr
+        assert ps.refused_requests == 1
+        assert _resident_mib() - before < 64  # not the 256 MiB it was sent
+    finally:
+        ps.stop()
 
 
 class _SetsEnvironment:
@@ -240,3 +275,25 @@ def test_a_task_process_keeps_its_step_buffers(monkeypatch):
     assert not is_own_task("ps", 1)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
     assert not keep_freed_buffers()  # the user's own glibc settings win
+
+
+def test_a_task_started_by_hand_without_the_token_says_so(monkeypatch, caplog):
+    cluster = _cluster()
+    monkeypatch.delenv("KERAS_DIST_CLUSTER_TOKEN", raising=False)
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "ps", "index": 0}})
+    )
+    monkeypatch.setattr(
+        "keras_dist.parameter_server.tasks._server.keep_freed_buffers", lambda: None
+    )
+    with caplog.at_level(logging.INFO, logger="keras_dist.ps"):
+        ps = kd.Server(cluster, job_name="ps", task_index=0)
+    try:
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("starts without KERAS_DIST_CLUSTER_TOKEN" in r.getMessage() for r in warnings)
+        stranger = RpcClient(cluster["ps"][0], name="ps0", token="another-process-token")
+        with pytest.raises(errors.UnauthenticatedError, match="KERAS_DIST_CLUSTER_TOKEN"):
+            stranger.call({"op": "ping"}, timeout=10)
+        assert "This task has no KERAS_DIST_CLUSTER_TOKEN itself" in caplog.text
+    finally:
+        ps.stop()

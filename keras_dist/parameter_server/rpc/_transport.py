@@ -2,8 +2,9 @@
 
 ``RpcServer`` serves one task at the address the cluster spec gives it (never
 ``0.0.0.0`` unless the spec says so). It checks the cluster token in the call's
-metadata before it looks at the request: a request without it is refused
-(``UNAUTHENTICATED``) and logged, and nothing in it is decoded. ``RpcClient``
+metadata as the call arrives, before the request's body is read: a call without
+it is refused (``UNAUTHENTICATED``) and logged, and the server never receives,
+buffers or decodes what it sends (a stranger's 512 MiB cost it nothing). ``RpcClient``
 calls one task with a deadline on every call, so no call can hang; a lost
 task becomes ``kd.errors.UnavailableError`` naming it.
 
@@ -23,6 +24,7 @@ from keras_dist.parameter_server.rpc._auth import check_token
 from keras_dist.parameter_server.rpc._auth import cluster_token
 from keras_dist.parameter_server.rpc._auth import tls_channel_credentials
 from keras_dist.parameter_server.rpc._auth import tls_server_credentials
+from keras_dist.parameter_server.rpc._auth import token_from_environment
 from keras_dist.parameter_server.tasks._threads import DaemonThreadPool
 
 logger = logging.getLogger("keras_dist.ps")
@@ -122,7 +124,7 @@ class RpcServer:
     def start(self) -> None:
         """Binds ``address`` and starts serving."""
         executor = DaemonThreadPool(self._threads, f"kd-{self.name}")
-        server = grpc.server(executor, options=_SERVER_OPTIONS)
+        server = grpc.server(executor, interceptors=(_TokenCheck(self),), options=_SERVER_OPTIONS)
         method = grpc.unary_unary_rpc_method_handler(self._call)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {METHOD: method}),)
@@ -140,23 +142,29 @@ class RpcServer:
         server.start()
         self._server = server
 
+    def refuse(self, request_iterator, context) -> None:
+        """Ends a call without the cluster token, its request never read (see ``_TokenCheck``)."""
+        del request_iterator  # never iterated: the body is not received
+        self.refused += 1
+        logger.warning(
+            "%s refused a request from %s without the cluster token "
+            "(KERAS_DIST_CLUSTER_TOKEN); its body was not read.%s",
+            self.name,
+            context.peer(),
+            ""
+            if token_from_environment()
+            else " This task has no KERAS_DIST_CLUSTER_TOKEN "
+            "itself: set the same one on every task.",
+        )
+        context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{self.name} refused the request: it does not carry this cluster's token. "
+            "Set the same KERAS_DIST_CLUSTER_TOKEN on every task.",
+        )
+
     def _call(self, request: bytes, context) -> bytes:
-        # The token is checked before the request is looked at: nothing a
+        # Only calls that carried the token get here (``_TokenCheck``): nothing a
         # stranger sends is decoded, let alone unpickled.
-        if not check_token(context.invocation_metadata()):
-            self.refused += 1
-            logger.warning(
-                "%s refused a request from %s without the cluster token "
-                "(KERAS_DIST_CLUSTER_TOKEN); %d bytes dropped undecoded.",
-                self.name,
-                context.peer(),
-                len(request),
-            )
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{self.name} refused the request: it does not carry this cluster's token. "
-                "Set the same KERAS_DIST_CLUSTER_TOKEN on every task.",
-            )
         try:
             header, arrays, blob = _wire.decode(request)
             reply = self._handler(header, arrays, blob)
@@ -178,6 +186,24 @@ class RpcServer:
         if self._server is None:
             return True
         return self._server.wait_for_termination(timeout)
+
+
+class _TokenCheck(grpc.ServerInterceptor):
+    """Checks the cluster token when a call arrives, from its metadata alone.
+
+    A unary handler would get the request only once grpcio had received and
+    assembled all of it. A call without the token is handed instead to a
+    request-streaming handler that aborts without reading: the body is never
+    taken off the connection, whatever its size.
+    """
+
+    def __init__(self, server: RpcServer):
+        self._refusal = grpc.stream_unary_rpc_method_handler(server.refuse)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if check_token(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        return self._refusal
 
 
 class RpcClient:

@@ -123,13 +123,19 @@ class Server:
         """Starts serving (once)."""
         if self._started:
             return
+        own_process = is_own_task(self.job_name, self.task_index)
         if not token_from_environment():
-            logger.info(
-                "%s starts without KERAS_DIST_CLUSTER_TOKEN: only clients in this process "
-                "can call it. Set the same token on every task of a multi-process cluster.",
+            # A task of its own process (TF_CONFIG names it) is surely called from
+            # others, which it will refuse: say so here, not only in their errors.
+            logger.log(
+                logging.WARNING if own_process else logging.INFO,
+                "%s starts without KERAS_DIST_CLUSTER_TOKEN: it made a token of its own, so "
+                "only clients in this process can call it and every other task will be "
+                "refused. Set the same KERAS_DIST_CLUSTER_TOKEN on every task (keras-dist "
+                "launch does).",
                 self.task_name,
             )
-        if self.job_name in ("ps", "worker") and is_own_task(self.job_name, self.task_index):
+        if self.job_name in ("ps", "worker") and own_process:
             keep_freed_buffers()  # a process of its own: each step's buffers are reused
         self._rpc.start()
         self._started = True
