@@ -31,7 +31,8 @@ class FunctionKey:
 
     * A plain function or lambda is its code, globals, defaults and the objects
       its closure cells hold (by identity, held weakly; numbers, strings and
-      other hashable values by value).
+      other hashable values by value; a list, tuple or dict by what it holds,
+      so a closure over ``[model, optimizer]`` made afresh is the same function).
     * A bound method (made afresh at every attribute access) is its function
       and the object it is bound to.
     * Any other callable is itself, held weakly.
@@ -90,7 +91,21 @@ def _filled(cell) -> bool:
     return True
 
 
-def _part(value):
+_MAX_DEPTH = 4  # nested containers this deep are compared by what they hold
+
+
+def _part(value, depth=0):
+    if isinstance(value, (list, tuple, dict)) and depth < _MAX_DEPTH:
+        # Neither weakly referenceable nor (lists, dicts) hashable: compared by
+        # what they hold now, each item as a captured object would be.
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        parts = []
+        for key, item in items:
+            part = _part(item, depth + 1)
+            if part is _UNRECOGNISABLE or (isinstance(value, dict) and not _hashable(key)):
+                return _UNRECOGNISABLE
+            parts.append((key, part) if isinstance(value, dict) else part)
+        return _Contents(type(value), tuple(parts))
     try:
         return _Identity(value)
     except TypeError:
@@ -100,6 +115,39 @@ def _part(value):
     except TypeError:
         return _UNRECOGNISABLE
     return _Value(value)
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+class _Contents:
+    """A list, tuple or dict compared by its type and the parts of what it holds."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, kind, parts: tuple):
+        self._parts = (kind, parts)
+
+    @property
+    def alive(self) -> bool:
+        return all(_part_alive(p) for p in self._parts[1])
+
+    def __hash__(self):
+        return hash(self._parts)
+
+    def __eq__(self, other):
+        return isinstance(other, _Contents) and self._parts == other._parts
+
+
+def _part_alive(part) -> bool:
+    if isinstance(part, tuple):  # a dict's (key, part)
+        part = part[1]
+    return part.alive
 
 
 def static_key(value):

@@ -60,6 +60,31 @@ def test_closures_capturing_different_objects_are_different_functions():
     assert _traces(strategy) == before
 
 
+def test_a_closure_over_a_list_or_dict_made_afresh_is_traced_once():
+    # A list or a dict is neither hashable nor weakly referenceable: the key is what
+    # it holds, so a closure made every call over the same objects hits the cache.
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        layers = [keras.layers.Dense(1), keras.layers.Dense(1)]
+    settings = {"scale": 2.0}
+    x = np.ones((4, 3), "float32")
+
+    def step(batch):
+        def replica_fn(inputs):
+            return layers[1](layers[0](inputs)) * settings["scale"]
+
+        return strategy.run(replica_fn, args=(batch,))
+
+    step(x)
+    before = _traces(strategy)
+    for _ in range(3):
+        step(x)
+    assert _traces(strategy) == before
+    settings["scale"] = 3.0  # what the closure holds changed: a new program
+    step(x)
+    assert _traces(strategy) == before + 1
+
+
 @pytest.mark.parametrize(
     "call, cause",
     [
