@@ -182,16 +182,6 @@ class VariableShard:
         return self._variable.location.shards[self._index]
 
     @property
-    def servers(self):
-        """The client of the ps tasks (``ParameterServers``) the variable is stored through."""
-        return self.__dict__["_kd_servers"]
-
-    @property
-    def stored_on_servers(self) -> bool:
-        """Whether the ps tasks hold the variable's value (its first value was sent)."""
-        return bool(self.__dict__.get("_kd_created"))
-
-    @property
     def device(self) -> str:
         return ps_device(self._shard.task)
 
