@@ -7,10 +7,10 @@ scheduling, creating variables) are separate interfaces in ``_capabilities``,
 checked with ``isinstance``. The members, by concern:
 
 * **Replicas and devices**: ``num_replicas_in_sync``, ``num_local_replicas``,
-  ``local_devices``, ``worker_devices``, ``parameter_devices``.
+  ``local_devices``, ``worker_devices``.
 * **Cluster role**: ``role`` (a ``ProcessRole``: which task this process is,
   whether it is the chief), ``num_workers``, ``worker_index``,
-  ``spans_processes``, ``should_checkpoint``, ``should_save_summary``.
+  ``spans_processes``.
 * **Execution**: ``call_for_each_replica`` (``strategy.run``),
   ``keras_distribution`` (what Keras asks when it creates a variable), ``lock``
   (one thread at a time), ``barrier``.
@@ -22,8 +22,8 @@ The four cross-replica-only methods are template methods, as in TF's
 ``StrategyExtendedV2``: the public method checks the reduce op and the context
 (they raise in a replica context: call them from a ``merge_call``), then calls
 the ``_reduce_to`` & co. that a strategy implements. What TF code calls and
-keras_dist never does (``colocate_vars_with``, ``experimental_should_init``, ...)
-is ``TensorFlowSurface``'s, with TF's defaults.
+keras_dist never does (``parameter_devices``, ``should_checkpoint``,
+``colocate_vars_with``, ...) is ``TensorFlowSurface``'s, with TF's defaults.
 """
 
 import abc
@@ -55,8 +55,24 @@ class TensorFlowSurface:
     """Members of TF's ``StrategyExtended`` that TF code calls and keras_dist does not.
 
     Their defaults are TF's for a strategy in one process; a strategy overrides
-    one where TF's answer differs for it.
+    one where TF's answer differs for it. (keras_dist's own callbacks ask
+    ``role``, which these answers follow.)
     """
+
+    @property
+    def parameter_devices(self) -> tuple:
+        """The devices variables are stored on."""
+        return self.worker_devices
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process should save checkpoints (the chief only)."""
+        return self.role.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this process should write summaries (the chief only)."""
+        return self.role.is_chief
 
     @property
     def experimental_should_init(self) -> bool:
@@ -151,11 +167,6 @@ class StrategyExtended(TensorFlowSurface, abc.ABC):
     def worker_devices(self) -> tuple:
         """The devices the replicas run on, as TF-style names."""
 
-    @property
-    def parameter_devices(self) -> tuple:
-        """The devices variables are stored on."""
-        return self.worker_devices
-
     # --------------------------------------------------------- cluster role
     @property
     def role(self) -> ProcessRole:
@@ -176,16 +187,6 @@ class StrategyExtended(TensorFlowSurface, abc.ABC):
     def spans_processes(self) -> bool:
         """Whether the replicas are in several processes (of one mesh: ``MeshRuntime``)."""
         return False
-
-    @property
-    def should_checkpoint(self) -> bool:
-        """Whether this process should save checkpoints (the chief only)."""
-        return self.role.is_chief
-
-    @property
-    def should_save_summary(self) -> bool:
-        """Whether this process should write summaries (the chief only)."""
-        return self.role.is_chief
 
     # ------------------------------------------------------------ execution
     @abc.abstractmethod
