@@ -11,7 +11,9 @@ closed terminal's SIGHUP) cannot stop them itself. So, before the task's program
 
 * ``exec`` (Linux): ask the kernel to send this process SIGKILL when the launcher dies
   (``prctl(PR_SET_PDEATHSIG)``), then become ``python ARGS`` (the setting survives
-  ``exec``: the task keeps this pid and nothing of this module stays in it).
+  ``exec``: the task keeps this pid and nothing of this module stays in it). The kernel's
+  signal reaches the task alone, so a small reaper process forked first ends the task's
+  process group (what the task itself started) once the task is gone.
 * ``watch`` (elsewhere, or when ``prctl`` fails): a daemon thread checks twice a second that
   the launcher is still the parent and kills the task's process group when it is not; the
   task then runs in this interpreter, as ``python ARGS`` would run it (``runpy``).
@@ -39,6 +41,7 @@ def main(argv: list[str]) -> None:
     if mode == "exec":
         if set_parent_death_signal(signal.SIGKILL):
             _die_if_orphaned(launcher_pid)
+            _fork_group_reaper()
             os.execv(sys.executable, [sys.executable, *args])
         # No parent-death signal here: watch instead, in an interpreter started the plain way
         # (this one may run without site-packages).
@@ -60,6 +63,31 @@ def set_parent_death_signal(signum: int) -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _fork_group_reaper() -> None:
+    """Forks a process that SIGKILLs this task's process group once the task is gone.
+
+    Only for a task that leads its own group (every launched task does): the group is then
+    the task and what it started, never the launcher's.
+    """
+    task_pid = os.getpid()
+    if os.getpgrp() != task_pid or os.fork() != 0:
+        return
+    try:
+        # The reaper holds none of the task's files (the launcher reads the task's output
+        # pipes until they close) and outlives the signals that ask the task to stop.
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.closerange(3, 1 << 16)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+        while os.getppid() == task_pid:
+            time.sleep(_WATCH_INTERVAL)
+        os.killpg(task_pid, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def watch_parent(launcher_pid: int) -> None:

@@ -181,8 +181,18 @@ _DRIVER = textwrap.dedent(
         print(f"task pid={os.getpid()}", flush=True)
         time.sleep(600)
 
+    def start_a_child():
+        import subprocess
+        import time
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"task pid={os.getpid()} child pid={child.pid}", flush=True)
+        time.sleep(600)
+
     if __name__ == "__main__":
-        fn = {"hold_the_gil": hold_the_gil, "serve": serve}[sys.argv[1]]
+        fn = {"hold_the_gil": hold_the_gil, "serve": serve, "start_a_child": start_a_child}[
+            sys.argv[1]
+        ]
         launch(fn, num_workers=2, devices_per_worker=1)
     """
 )
@@ -207,6 +217,20 @@ def test_function_tasks_die_with_their_launcher_even_holding_the_gil(driver, sig
         os.kill(launcher.popen.pid, signum)
         _assert_all_die(pids, timeout=10, describe=launcher.describe)
         assert launcher.exit_within(10) == -signum
+    finally:
+        launcher.close()
+
+
+@multiprocess
+@pytest.mark.timeout(90)
+def test_what_a_task_started_dies_with_a_sigkilled_launcher(driver):
+    # The kernel's parent-death signal reaches the task only; its own children die too.
+    launcher = _Watched([sys.executable, driver, "start_a_child"])
+    try:
+        tasks = launcher.pids("task pid", 2, timeout=60)
+        children = launcher.pids("child pid", 2, timeout=60)
+        os.kill(launcher.popen.pid, signal.SIGKILL)
+        _assert_all_die(tasks + children, timeout=10, describe=launcher.describe)
     finally:
         launcher.close()
 
