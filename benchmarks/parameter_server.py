@@ -160,9 +160,9 @@ def baseline_rate(steps, workers=2):
 
 # ----------------------------------------------------------------- (a) keras_dist
 def keras_dist_rates(steps, repeats, workers=2):
-    import keras
+    import keras_dist as kd  # first: it selects Keras's JAX backend
 
-    import keras_dist as kd
+    import keras  # isort: skip
 
     cluster = kd.testing.create_multi_process_cluster(num_workers=workers, num_ps=1)
     try:
