@@ -104,9 +104,11 @@ def initialize(
             num_processes=num_processes,
             process_id=process_id,
             initialization_timeout=int(timeout_seconds),
-            # A dead peer makes JAX end every process after this long; the watch
-            # below reports it sooner and by name.
-            heartbeat_timeout_seconds=max(int(timeout_seconds), 10),
+            # A peer whose heartbeats stop (dead, or frozen by SIGSTOP) makes JAX
+            # abort every process after this long. The watch reports it by name
+            # once a collective misses ``timeout_seconds``, and the survivors then
+            # report in: JAX's abort must not come first.
+            heartbeat_timeout_seconds=int(timeout_seconds) + max(30, int(timeout_seconds)),
         )
     finally:
         _take_sigterm_back(sigterm_before)

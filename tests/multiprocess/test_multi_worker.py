@@ -211,6 +211,10 @@ def _loses_worker_1(how, timeout_seconds):
             if task_id == 1 and batch == 5:
                 if how == "dies":
                     os._exit(17)
+                if how == "stopped":
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGSTOP)  # frozen whole, as `kill -STOP`
                 time.sleep(3600)  # stuck outside the collective
 
     with strategy.scope():
@@ -266,6 +270,16 @@ def test_a_stuck_worker_makes_the_survivor_raise_deadline_exceeded():
     assert "SURVIVOR DeadlineExceededError" in log, log
     assert "within 8 s: worker 1 did not reach it" in log
     assert 8 <= _seconds_until_error(log) < 30
+    assert survivor_code == 1
+
+
+def test_a_sigstopped_worker_makes_the_survivor_raise_within_the_timeout():
+    # A frozen process (SIGSTOP: no thread of it runs, its heartbeats stop too) is
+    # named like a stuck one, within the configured timeout, and the survivor exits.
+    log, survivor_code, _ = _run_losing_worker_1("stopped", timeout_seconds=8)
+    assert "SURVIVOR DeadlineExceededError" in log or "SURVIVOR UnavailableError" in log, log
+    assert "worker 1" in log
+    assert _seconds_until_error(log) < 30
     assert survivor_code == 1
 
 
