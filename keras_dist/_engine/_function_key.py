@@ -96,25 +96,23 @@ _MAX_DEPTH = 4  # nested containers this deep are compared by what they hold
 
 def _part(value, depth=0):
     if isinstance(value, (list, tuple, dict)) and depth < _MAX_DEPTH:
-        # Neither weakly referenceable nor (lists, dicts) hashable: compared by
-        # what they hold now, each item as a captured object would be.
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        parts = []
-        for key, item in items:
-            part = _part(item, depth + 1)
-            if part is _UNRECOGNISABLE or (isinstance(value, dict) and not _hashable(key)):
-                return _UNRECOGNISABLE
-            parts.append((key, part) if isinstance(value, dict) else part)
-        return _Contents(type(value), tuple(parts))
+        return _contents(value, depth)
     try:
         return _Identity(value)
     except TypeError:
         pass
-    try:
-        hash(value)
-    except TypeError:
+    return _Value(value) if _hashable(value) else _UNRECOGNISABLE
+
+
+def _contents(container, depth):
+    """A list, tuple or dict (neither weakly referenceable nor, mostly, hashable) as what it
+    holds now, each item as a captured object would be."""
+    keys = tuple(container) if isinstance(container, dict) else None
+    items = container.values() if keys is not None else container
+    parts = tuple(_part(item, depth + 1) for item in items)
+    if any(p is _UNRECOGNISABLE for p in parts) or (keys is not None and not _hashable(keys)):
         return _UNRECOGNISABLE
-    return _Value(value)
+    return _Contents(type(container), keys, parts)
 
 
 def _hashable(value) -> bool:
@@ -126,28 +124,23 @@ def _hashable(value) -> bool:
 
 
 class _Contents:
-    """A list, tuple or dict compared by its type and the parts of what it holds."""
+    """A container compared by its type, its keys (a dict's) and the parts of what it holds."""
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_key", "_parts")
 
-    def __init__(self, kind, parts: tuple):
-        self._parts = (kind, parts)
+    def __init__(self, kind, keys, parts: tuple):
+        self._parts = parts
+        self._key = (kind, keys, parts)
 
     @property
     def alive(self) -> bool:
-        return all(_part_alive(p) for p in self._parts[1])
+        return all(part.alive for part in self._parts)
 
     def __hash__(self):
-        return hash(self._parts)
+        return hash(self._key)
 
     def __eq__(self, other):
-        return isinstance(other, _Contents) and self._parts == other._parts
-
-
-def _part_alive(part) -> bool:
-    if isinstance(part, tuple):  # a dict's (key, part)
-        part = part[1]
-    return part.alive
+        return isinstance(other, _Contents) and self._key == other._key
 
 
 def static_key(value):

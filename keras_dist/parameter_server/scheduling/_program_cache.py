@@ -123,9 +123,12 @@ class ProgramCache:
         self._dropped: set = set()
 
     @property
-    def dropped(self) -> frozenset:
-        """The ids of programs freed on the coordinator, which workers may still hold."""
-        return frozenset(self._dropped)
+    def dropped(self) -> set:
+        """The ids of programs freed on the coordinator, which workers may still hold.
+
+        The live set (read it, don't change it): ``finalize`` callbacks add to it.
+        """
+        return self._dropped
 
     def call(self, fn, args, kwargs) -> Call:
         """Traces ``fn`` for these arguments (once per signature); the ``Call`` to send."""

@@ -177,7 +177,8 @@ class WorkerThread:
         """Programs this worker loaded that the coordinator freed: it drops them now."""
         if self._programs is None:
             return []
-        freed = sorted(self._sent & self._programs.dropped)
+        # Iterates this worker's few loaded ids, not every program ever freed.
+        freed = sorted(i for i in self._sent if i in self._programs.dropped)
         self._sent.difference_update(freed)
         return freed
 
