@@ -31,7 +31,8 @@ class GlobalBatchSplitter:
     replicas' pieces: with ``strided`` pieces ``w, w + W, ...`` of worker ``w``
     of ``W`` (TF's rebatching followed by DATA sharding, so its values are
     TF's), otherwise its consecutive ones (replica order is batch order, which
-    ``predict`` relies on).
+    ``predict`` relies on). Workers with different replica counts always take
+    consecutive pieces (TF has no such clusters to follow).
     """
 
     def __init__(self, extended, on_host=False, strided=False):
@@ -44,7 +45,7 @@ class GlobalBatchSplitter:
         extended = self._extended
         if not extended.spans_processes:
             return pieces
-        if self._strided:
+        if self._strided and extended.placement.same_replicas_per_process:
             return pieces[extended.worker_index :: extended.num_workers]
         start = extended.first_local_replica_id
         return pieces[start : start + extended.num_local_replicas]

@@ -37,6 +37,7 @@ _EXAMPLES = """\
 examples:
   keras-dist launch --workers 2 train.py --epochs 3
   keras-dist launch --chief --workers 2 --devices-per-worker 2 train.py
+  keras-dist launch --workers 2 --devices-per-worker 2,4 train.py
   keras-dist launch --chief --ps 1 --workers 2 examples/parameter_server_fit.py
   keras-dist launch --workers 4 --max-restarts 3 -m my_package.train
 """
@@ -83,10 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--devices-per-worker",
-        type=_count(1),
+        type=_counts(1),
         default=None,
         metavar="K",
-        help="simulated CPU devices per task (default: one device each)",
+        help=(
+            "simulated CPU devices per task, or one count per task, comma separated "
+            "(chief, workers, then ps: 2,4); default: one device each"
+        ),
     )
     launch.add_argument(
         "--max-restarts",
@@ -208,6 +212,17 @@ def _count(minimum: int):
         return value
 
     return integer
+
+
+def _counts(minimum: int):
+    """One count (``2``) or one per task (``2,4``)."""
+    one = _count(minimum)
+
+    def counts(text: str) -> "int | list[int]":
+        values = [one(part) for part in text.split(",")]
+        return values[0] if len(values) == 1 else values
+
+    return counts
 
 
 def _seconds(positive: bool):

@@ -59,6 +59,28 @@ def child_environment(
     return result
 
 
+def devices_by_task(devices_per_worker, keys) -> dict:
+    """Each task's simulated device count: one count for all, or one per task of ``keys``.
+
+    Tasks may differ (worker 0 with 2 devices, worker 1 with 4), as machines do.
+
+    >>> keys = [("worker", 0), ("worker", 1)]
+    >>> devices_by_task([2, 4], keys)
+    {('worker', 0): 2, ('worker', 1): 4}
+    >>> devices_by_task(3, keys)
+    {('worker', 0): 3, ('worker', 1): 3}
+    """
+    if isinstance(devices_per_worker, (list, tuple)):
+        if len(devices_per_worker) != len(keys):
+            raise ValueError(
+                "`devices_per_worker` as a list needs one count per task "
+                f"({len(keys)}: {', '.join(f'{t} {i}' for t, i in keys)}). "
+                f"Received: devices_per_worker={list(devices_per_worker)!r}"
+            )
+        return dict(zip(keys, devices_per_worker))
+    return dict.fromkeys(keys, devices_per_worker)
+
+
 def _without_device_count(flags: str) -> str:
     return " ".join(_DEVICE_COUNT.sub("", flags).split())
 

@@ -24,7 +24,7 @@ def launch(
     num_ps: int = 0,
     args=(),
     kwargs: dict | None = None,
-    devices_per_worker: int | None = None,
+    devices_per_worker: "int | list[int] | None" = None,
     env: dict[str, str] | None = None,
     timeout: float | None = None,
     max_restarts: int = 0,
@@ -46,7 +46,9 @@ def launch(
             tasks, which serve, are stopped, and their results are left out.
         args: Positional arguments of ``fn``.
         kwargs: Keyword arguments of ``fn``.
-        devices_per_worker: Simulated CPU devices per task; by default one device each.
+        devices_per_worker: Simulated CPU devices per task, or a list with one count per
+            task (chief, workers, then ps) for tasks with different device counts; by
+            default one device each.
         env: Environment variables for every task.
         timeout: Seconds for the whole call, restarts included; then every task is stopped
             and ``SubprocessTimeoutError`` is raised. ``None`` for no limit.

@@ -17,6 +17,7 @@ from keras_dist._launch import _process
 from keras_dist._launch._cluster import task_keys
 from keras_dist._launch._cluster import tf_config
 from keras_dist._launch._env import child_environment
+from keras_dist._launch._env import devices_by_task
 from keras_dist._launch._errors import SubprocessTimeoutError
 from keras_dist._launch._errors import UnexpectedSubprocessExitError
 from keras_dist._launch._errors import format_logs
@@ -45,8 +46,10 @@ class MultiProcessRunner:
         max_run_time: Seconds after ``start()`` when every task is stopped and ``join``
             raises ``SubprocessTimeoutError``; ``None`` for no limit.
         env: Environment variables for every task, over the inherited ones.
-        devices_per_worker: Simulated CPU devices per task (``JAX_PLATFORMS=cpu``); by
-            default a task has one CPU device even when this process simulates several.
+        devices_per_worker: Simulated CPU devices per task (``JAX_PLATFORMS=cpu``), or one
+            count per task in ``task_keys`` order (chief, workers, then ps) for tasks with
+            different device counts; by default a task has one CPU device even when this
+            process simulates several.
         auto_restart: Restart a task that fails (non-zero exit or an exception), with the
             same ``TF_CONFIG``.
         max_restarts: Restarts allowed per task with ``auto_restart``; ``None`` for no limit
@@ -87,7 +90,7 @@ class MultiProcessRunner:
         kwargs: dict | None = None,
         max_run_time: float | None = None,
         env: dict[str, str] | None = None,
-        devices_per_worker: int | None = None,
+        devices_per_worker: "int | list[int] | None" = None,
         auto_restart: bool = False,
         max_restarts: int | None = None,
         stream_output: bool = True,
@@ -109,7 +112,7 @@ class MultiProcessRunner:
         self._cluster_spec = cluster_spec
         self._max_run_time = max_run_time
         self._env = dict(env or {})
-        self._devices_per_worker = devices_per_worker
+        self._devices = devices_by_task(devices_per_worker, keys)
         self._auto_restart = auto_restart
         self._max_restarts = max_restarts
         self._dependence_on_chief = dependence_on_chief
@@ -117,7 +120,7 @@ class MultiProcessRunner:
         self._terminate_grace = terminate_grace
         # Check the environment now rather than in start().
         child_environment(
-            tf_config(cluster_spec, *keys[0]), devices_per_worker=devices_per_worker, env=env
+            tf_config(cluster_spec, *keys[0]), devices_per_worker=self._devices[keys[0]], env=env
         )
 
         self._workdir = tempfile.mkdtemp(prefix="keras_dist_run_")
@@ -292,7 +295,7 @@ class MultiProcessRunner:
         self._program.clear(*key)
         env = child_environment(
             tf_config(self._cluster_spec, *key),
-            devices_per_worker=self._devices_per_worker,
+            devices_per_worker=self._devices[key],
             env=self._env,
         )
         banner = None

@@ -238,12 +238,8 @@ class MultiWorkerExtended(MeshExtended):
             )
         local = tuple(jax.local_devices())
         everyone = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
-        if len(everyone) != len(local) * layout.num_workers:
-            raise ValueError(
-                "Every worker needs the same number of devices. This worker has "
-                f"{len(local)}, and the cluster {len(everyone)} in all over "
-                f"{layout.num_workers} workers. Received: devices={everyone}"
-            )
+        # Workers may differ in device count (2 GPUs here, 4 there): the mesh
+        # holds every device, and each worker feeds its own replicas' rows.
         if (
             options.implementation is CommunicationImplementation.NCCL
             and local[0].platform == "cpu"

@@ -11,6 +11,8 @@ how (on CPU one execution in flight at a time; across processes under a peer
 watch with a deadline).
 """
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +67,9 @@ class Placement:
         self.first_local_replica_id = mesh_devices.index(local_cores[0]) // cores_per_replica
         self.num_local_replicas = len(self.local_devices)
         self.num_replicas = len(mesh_devices) // cores_per_replica
+        # Workers may hold different numbers of replicas (2 devices here, 4 there).
+        per_process = collections.Counter(d.process_index for d in mesh_devices)
+        self.same_replicas_per_process = len(set(per_process.values())) == 1
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(REPLICA_AXIS))
         self._serialize = needs_serializing(mesh_devices)

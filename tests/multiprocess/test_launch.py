@@ -193,6 +193,9 @@ _SCRIPT = textwrap.dedent(
     print(f"hello from {task['type']} {task['index']} args={sys.argv[1:]}", flush=True)
     if "--fail" in sys.argv and task == {"type": "worker", "index": 1}:
         sys.exit(3)
+    if "--devices" in sys.argv:
+        flags = os.environ.get("XLA_FLAGS", "")
+        print(f"devices of {task['type']} {task['index']}: {flags.rpartition('=')[2]}", flush=True)
     if "--sleep" in sys.argv:
         print(f"ready pid={os.getpid()}", flush=True)
         import time
@@ -262,6 +265,18 @@ def test_devices_per_worker_sets_the_device_count_of_each_task():
     assert simulated.join(timeout=30) == [(3, "cpu"), (3, "cpu")]
     # One device by default, though this process simulates 8.
     assert default.join(timeout=30) == [(1, None)]
+    # Or one count per task: machines with different devices.
+    different = testing.MultiProcessRunner(
+        _devices,
+        testing.create_cluster_spec(has_chief=True, num_workers=2),
+        devices_per_worker=[1, 2, 4],
+    )
+    different.start()
+    assert different.join(timeout=30) == [(1, "cpu"), (2, "cpu"), (4, "cpu")]
+    with pytest.raises(ValueError, match=r"one count per task \(2: worker 0, worker 1\)"):
+        testing.MultiProcessRunner(
+            _devices, testing.create_cluster_spec(num_workers=2), devices_per_worker=[1, 2, 4]
+        )
 
 
 def test_output_is_streamed_with_task_prefixes_and_kept_in_logs(capsys):
@@ -546,6 +561,13 @@ def test_cli_exits_with_the_code_of_the_failed_task(script, capsys):
     captured = capsys.readouterr()
     assert "[chief 0] hello from chief 0 args=['--fail']" in captured.out.splitlines()
     assert "keras-dist: worker 1 failed (exit code 3)." in captured.err
+
+
+def test_cli_gives_each_task_its_own_device_count(script, capsys):
+    assert cli_main(["launch", "--devices-per-worker", "2,4", script, "--devices"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "[worker 0] devices of worker 0: 2" in out
+    assert "[worker 1] devices of worker 1: 4" in out
 
 
 def test_cli_forwards_sigterm_to_the_tasks(script):
