@@ -21,6 +21,7 @@ import sys
 from keras_dist._launch._errors import SubprocessTimeoutError
 from keras_dist._launch._errors import UnexpectedSubprocessExitError
 from keras_dist._launch._errors import WorkerError
+from keras_dist._launch._launcher import kept_devices
 from keras_dist._launch._launcher import run_elastic
 from keras_dist._launch._process import describe_exit
 from keras_dist._launch._program import ScriptProgram
@@ -40,6 +41,7 @@ examples:
   keras-dist launch --workers 2 --devices-per-worker 2,4 train.py
   keras-dist launch --chief --ps 1 --workers 2 examples/parameter_server_fit.py
   keras-dist launch --workers 4 --max-restarts 3 -m my_package.train
+  keras-dist launch --workers 2:4 --max-restarts 3 train.py
 """
 
 
@@ -72,7 +74,14 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     launch.add_argument(
-        "--workers", type=_count(1), default=2, metavar="N", help="worker tasks (default: 2)"
+        "--workers",
+        type=_worker_range,
+        default=(2, 2),
+        metavar="N",
+        help=(
+            "worker tasks (default: 2); MIN:MAX starts MAX and, with --max-restarts, "
+            "goes on with fewer (not under MIN) when a worker fails twice in a row"
+        ),
     )
     launch.add_argument("--chief", action="store_true", help="add a chief task")
     launch.add_argument(
@@ -129,12 +138,16 @@ def _parser() -> argparse.ArgumentParser:
 def _launch(options: argparse.Namespace) -> int:
     program = ScriptProgram(options.script, options.script_args, module=options.module)
 
-    def runner(cluster):
+    min_workers, num_workers = options.workers
+
+    def runner(cluster, kept_workers):
         return MultiProcessRunner(
             program,
             cluster,
             env=ps_environment(None) if options.ps else None,
-            devices_per_worker=options.devices_per_worker,
+            devices_per_worker=kept_devices(
+                options.devices_per_worker, options.chief, num_workers, kept_workers
+            ),
             failure_grace=options.grace,
             log_dir=options.log_dir,
         )
@@ -148,7 +161,8 @@ def _launch(options: argparse.Namespace) -> int:
     try:
         run_elastic(
             runner,
-            num_workers=options.workers,
+            num_workers=num_workers,
+            min_workers=min_workers,
             has_chief=options.chief,
             num_ps=options.ps,
             max_restarts=options.max_restarts,
@@ -212,6 +226,16 @@ def _count(minimum: int):
         return value
 
     return integer
+
+
+def _worker_range(text: str) -> "tuple[int, int]":
+    """``N`` (a fixed size) or ``MIN:MAX`` (an elastic job): ``(min, max)``."""
+    low, _, high = text.partition(":")
+    one = _count(1)
+    minimum, maximum = one(low), one(high or low)
+    if minimum > maximum:
+        raise argparse.ArgumentTypeError(f"MIN must not exceed MAX, got {text}")
+    return minimum, maximum
 
 
 def _counts(minimum: int):

@@ -3,6 +3,12 @@
 Restarts follow torchrun's elastic agent rather than TF's ``auto_restart``: when a task fails,
 every task is stopped and the whole cluster starts again on fresh ports, so a job that saves
 with ``BackupAndRestore`` resumes from its last backup.
+
+Elastic jobs (``min_workers`` below ``num_workers``) also shrink: each worker stands for
+a machine, and a worker that fails in two attempts in a row counts as gone for good. The
+next attempt runs without it, on fewer workers (never fewer than ``min_workers``); the
+workers are numbered again from 0, and ``fit``'s global batch stays what the script says,
+so each replica's share grows.
 """
 
 import sys
@@ -28,6 +34,7 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
     max_restarts: int = 0,
+    min_workers: int | None = None,
     stream_output: bool = True,
     failure_grace: float = 30.0,
 ) -> list:
@@ -54,6 +61,9 @@ def launch(
             and ``SubprocessTimeoutError`` is raised. ``None`` for no limit.
         max_restarts: How many times the whole cluster may start again, on new ports, after
             a task failed.
+        min_workers: Makes the job elastic: a worker that fails in two attempts in a row
+            is left out of the next ones, down to ``min_workers`` workers (each restart
+            counts against ``max_restarts``). By default ``num_workers``: never shrink.
         stream_output: Print every task's output as it comes, prefixed ``[worker 1] ``.
         failure_grace: Seconds the other tasks get after a task failed (to finish, or to
             report their own error) before they are stopped.
@@ -76,14 +86,16 @@ def launch(
     if num_ps:
         env = ps_environment(env)
 
-    def runner(cluster):
+    def runner(cluster, kept_workers):
         return MultiProcessRunner(
             fn,
             cluster,
             args=args,
             kwargs=kwargs,
             env=env,
-            devices_per_worker=devices_per_worker,
+            devices_per_worker=kept_devices(
+                devices_per_worker, has_chief, num_workers, kept_workers
+            ),
             stream_output=stream_output,
             failure_grace=failure_grace,
         )
@@ -96,16 +108,45 @@ def launch(
         timeout=timeout,
         verbose=stream_output,
         num_ps=num_ps,
+        min_workers=min_workers,
     )
 
 
-def run_elastic(
-    make_runner, *, num_workers, has_chief, max_restarts, timeout, verbose=True, num_ps=0
-) -> list:
-    """Runs ``make_runner(cluster_spec)`` until it succeeds, at most ``max_restarts + 1`` times.
+def kept_devices(devices_per_worker, has_chief, num_workers, kept_workers):
+    """The device counts of the tasks an elastic job still has (one count: unchanged).
 
-    Each attempt gets a new cluster on fresh ports; a timeout is not retried. ``verbose``
-    prints a line before each restart.
+    >>> kept_devices([1, 2, 4, 8, 1], True, 3, [0, 2])  # chief, workers 0 and 2, ps
+    [1, 2, 8, 1]
+    """
+    if not isinstance(devices_per_worker, (list, tuple)):
+        return devices_per_worker
+    lead = 1 if has_chief else 0
+    counts = list(devices_per_worker)
+    workers = counts[lead : lead + num_workers]
+    if len(workers) != num_workers:
+        return counts  # the runner reports the mismatch
+    return counts[:lead] + [workers[i] for i in kept_workers] + counts[lead + num_workers :]
+
+
+def run_elastic(
+    make_runner,
+    *,
+    num_workers,
+    has_chief,
+    max_restarts,
+    timeout,
+    verbose=True,
+    num_ps=0,
+    min_workers=None,
+) -> list:
+    """Runs ``make_runner(cluster_spec, kept_workers)`` until it succeeds.
+
+    At most ``max_restarts + 1`` attempts, each on a new cluster with fresh ports;
+    a timeout is not retried. ``kept_workers`` are the indices, among the first
+    attempt's ``num_workers``, of the workers this attempt has: with
+    ``min_workers`` below ``num_workers``, a worker that failed in the last two
+    attempts is left out (see the module's docstring). ``verbose`` prints a line
+    before each restart.
     """
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(
@@ -116,11 +157,19 @@ def run_elastic(
         raise ValueError(
             f"`timeout` must be None or positive seconds. Received: timeout={timeout!r}"
         )
+    min_workers = num_workers if min_workers is None else min_workers
+    if not isinstance(min_workers, int) or not 1 <= min_workers <= num_workers:
+        raise ValueError(
+            "`min_workers` must be an integer from 1 to the number of workers "
+            f"({num_workers}). Received: min_workers={min_workers!r}"
+        )
     deadline = None if timeout is None else time.monotonic() + timeout
+    kept = list(range(num_workers))  # each worker stands for a machine
+    last_failed = None
     attempt = 0
     while True:
-        cluster = create_cluster_spec(has_chief=has_chief, num_workers=num_workers, num_ps=num_ps)
-        with make_runner(cluster) as runner:
+        cluster = create_cluster_spec(has_chief=has_chief, num_workers=len(kept), num_ps=num_ps)
+        with make_runner(cluster, list(kept)) as runner:
             runner.start()
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
@@ -131,12 +180,24 @@ def run_elastic(
                 if attempt == max_restarts:
                     raise
                 attempt += 1
-                if verbose:
-                    summary = str(error).splitlines()[0].rstrip(".")
-                    _announce(
+                failed = kept[error.task_id] if error.task_type == "worker" else None
+                summary = str(error).splitlines()[0].rstrip(".")
+                if failed is not None and failed == last_failed and len(kept) > min_workers:
+                    kept.remove(failed)
+                    last_failed = None
+                    message = (
+                        f"{summary}, in two attempts in a row: continuing without that "
+                        f"machine, on {len(kept)} workers (min {min_workers}; restart "
+                        f"{attempt} of {max_restarts})."
+                    )
+                else:
+                    last_failed = failed
+                    message = (
                         f"{summary}; restarting every task on new ports "
                         f"(restart {attempt} of {max_restarts})."
                     )
+                if verbose:
+                    _announce(message)
 
 
 def _announce(message: str) -> None:

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._capabilities import MeshRuntime
 from keras_dist._context import running_replica_context
 from keras_dist._engine_contract import ReplicaCopies
 from keras_dist._input import DistributedDataset
@@ -270,6 +271,23 @@ def _scope(strategy):
     replica_context = _context.default_replica_context_of(strategy)
     with _context.push(_context.Frame(strategy, replica_context, entered_scope=True)):
         yield strategy
+    _settle_first_values(strategy)
+
+
+def _settle_first_values(strategy):
+    """Leaving the outermost scope gives the variables made in it worker 0's first values.
+
+    Across processes that is a collective. Every worker leaves the scope at the
+    same point of the same program (TF broadcasts at creation, the same rule),
+    whereas a first read may come on the chief alone (``if chief:
+    model.get_weights()``) and would then wait for the others forever.
+    """
+    frame = _context.current_frame()
+    nested = frame.strategy is strategy and frame.entered_scope
+    extended = strategy.extended
+    # Not inside a trace: the engine syncs before it builds a program.
+    if not nested and frame.engine is None and isinstance(extended, MeshRuntime) and extended.spans_processes:
+        extended.sync_initial_values()
 
 
 def _without_tensorflow_values(tree):

@@ -661,3 +661,31 @@ def test_model_checkpoint_best_survives_a_restart_on_every_worker(tmp_path):
     # No worker's temporary directory is left, and the backup is gone once training ended.
     assert sorted(os.listdir(tmp_path)) == ["backup", "best_1.weights.h5", "best_2.weights.h5"]
     assert os.listdir(tmp_path / "backup") == []
+
+
+def _chief_alone_reads_first_weights():
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=30)
+    )
+    import keras
+
+    keras.utils.set_random_seed(strategy.cluster_resolver.task_id)  # different first values
+    with strategy.scope():
+        model = _tiny_model()
+    # Leaving the scope agreed on worker 0's first values; reading them is local.
+    first = _flat(model.get_weights()) if strategy.extended.should_checkpoint else None
+    x, y = _regression_data(32)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return first, _flat(model.get_weights())
+
+
+def test_the_chief_alone_may_read_the_first_weights():
+    # Before: the first read synced the first values with a collective, so a read on
+    # the chief alone waited for the others (or crashed gloo on a size mismatch).
+    (first, chief_final), (none, worker_final) = _launch(_chief_alone_reads_first_weights)
+    assert none is None
+    np.testing.assert_array_equal(chief_final, worker_final)
+    import keras
+
+    keras.utils.set_random_seed(0)  # worker 0's first values
+    np.testing.assert_array_equal(first, _flat(_tiny_model().get_weights()))

@@ -1,0 +1,159 @@
+"""Elastic jobs: a worker gone for good, and the job goes on with the workers it has.
+
+Three workers fit with ``BackupAndRestore``; worker 2 dies mid-epoch, and when the
+cluster starts again it dies at once (its machine is gone). The launcher then runs
+the job on 2 workers, which resume from the backup with the same global batch: the
+optimizer counts exactly epochs x steps, and the weights are one device's on the same
+global batches (MultiWorkerMirroredStrategy's numbers do not depend on the worker count).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist._launch._cli import main as cli_main
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+EPOCHS, ROWS, BATCH = 4, 96, 12  # 8 steps an epoch
+
+
+def _model():
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def _data():
+    x = np.random.default_rng(1).normal(size=(ROWS, 3)).astype("float32")
+    return x, x @ np.array([[1.0], [-2.0], [0.5]], "float32")
+
+
+def _elastic_worker(directory):
+    import keras
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    machine_gone = os.path.join(directory, "machine-2-gone")
+    if task["index"] == 2 and os.path.exists(machine_gone):
+        os._exit(17)  # the machine never comes back
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=30)
+    )
+    keras.utils.set_random_seed(7)
+    with strategy.scope():
+        model = _model()
+    initial = os.path.join(directory, "initial.npy")
+    if strategy.cluster_resolver.task_id == 0 and not os.path.exists(initial):
+        np.save(initial, np.concatenate([np.ravel(w) for w in model.get_weights()]))
+
+    class Record(keras.callbacks.Callback):
+        """Worker 2 dies in epoch 2; every epoch notes how many workers ran it."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if task["index"] == 2 and self._epoch == 2 and batch == 3:
+                open(machine_gone, "w").close()
+                os._exit(13)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._epoch = epoch
+
+        def on_epoch_end(self, epoch, logs=None):
+            logs["workers"] = strategy.extended.num_workers
+
+    x, y = _data()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,  # the global batch, whatever the number of workers
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(os.path.join(directory, "backup")), Record()],
+    )
+    return {
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "history": history.history,
+        "epochs": history.epoch,
+        "final": np.concatenate([np.ravel(w) for w in model.get_weights()]),
+    }
+
+
+def test_a_worker_gone_for_good_leaves_the_job_on_two_workers(tmp_path, capsys):
+    results = kd.launch(
+        _elastic_worker,
+        num_workers=3,
+        min_workers=2,
+        max_restarts=2,
+        args=(str(tmp_path),),
+        timeout=300,
+        failure_grace=5,
+    )
+    out = capsys.readouterr().out
+    assert len(results) == 2, out  # the job finished on 2 workers
+    assert "continuing without that machine, on 2 workers (min 2; restart 2 of 2)" in out
+    for result in results:
+        assert result["iterations"] == EPOCHS * (ROWS // BATCH)
+        # The resumed run did epochs 2 and 3 on 2 workers (epochs 0 and 1 had 3).
+        assert result["epochs"] == [2, 3]
+        assert result["history"]["workers"] == [2, 2]
+    np.testing.assert_array_equal(results[0]["final"], results[1]["final"])
+    # One device from the same first weights on the same global batches.
+    model = _model()
+    flat = np.load(tmp_path / "initial.npy")
+    shapes = [w.shape for w in model.get_weights()]
+    pieces = np.split(flat, np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    model.set_weights([w.reshape(s) for w, s in zip(pieces, shapes)])
+    x, y = _data()
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    expected = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    np.testing.assert_allclose(results[0]["final"], expected, atol=1e-5)
+    np.testing.assert_allclose(
+        results[0]["history"]["loss"], history.history["loss"][2:], rtol=1e-5
+    )
+    assert history.history["loss"][-1] < 0.2 * history.history["loss"][0]
+
+
+def test_the_job_fails_when_fewer_than_min_workers_would_remain(tmp_path):
+    # min_workers=3: the gone machine cannot be left out, and the restarts run out.
+    with pytest.raises(kd.testing.UnexpectedSubprocessExitError, match="worker 2"):
+        kd.launch(
+            _elastic_worker,
+            num_workers=3,
+            min_workers=3,
+            max_restarts=1,
+            args=(str(tmp_path),),
+            timeout=200,
+            failure_grace=5,
+            stream_output=False,
+        )
+
+
+def test_min_workers_and_the_worker_range_are_checked(capsys):
+    with pytest.raises(ValueError, match=r"from 1 to the number of workers \(2\)"):
+        kd.launch(print, num_workers=2, min_workers=3)
+    with pytest.raises(SystemExit):
+        cli_main(["launch", "--workers", "4:2", "train.py"])
+    assert "MIN must not exceed MAX, got 4:2" in capsys.readouterr().err
+
+
+def test_the_command_shrinks_within_its_worker_range(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "task = json.loads(os.environ['TF_CONFIG'])\n"
+        "workers = len(task['cluster']['worker'])\n"
+        "print(f\"worker {task['task']['index']} of {workers}\", flush=True)\n"
+        "sys.exit(3 if task['task']['index'] == 2 else 0)  # machine 2 is broken\n"
+    )
+    code = cli_main(
+        ["launch", "--workers", "2:3", "--max-restarts", "2", "--grace", "1", str(script)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "continuing without that machine, on 2 workers (min 2; restart 2 of 2)" in out
+    assert out.count("[worker 1] worker 1 of 3") == 2 and "[worker 1] worker 1 of 2" in out
