@@ -17,7 +17,6 @@ import pytest
 import keras_dist as kd
 from keras_dist import errors
 from keras_dist.coordinator import ClusterCoordinator
-from keras_dist.parameter_server.scheduling._worker_thread import RUNS_PER_REQUEST
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -93,9 +92,9 @@ def test_killed_worker_loses_nothing_and_rejoins(cluster):
         coordinator, counter = _counting_run(cluster, n, started=5)
         cluster.kill_task("worker", 0)
         coordinator.join()
-        # At most the killed worker's closures in flight (one request's) may have
-        # counted before they were run again elsewhere.
-        assert n <= float(counter.numpy()) <= n + RUNS_PER_REQUEST
+        # The killed worker's closures in flight ran again elsewhere; those whose step
+        # had reached the ps already were not applied twice (their run ids).
+        assert float(counter.numpy()) == n
 
         cluster.start_task("worker", 0)
         ones = coordinator.create_per_worker_dataset(lambda: [np.float32(1.0)] * 1000)
@@ -124,9 +123,9 @@ def test_both_workers_preempted_mid_training(cluster):
         cluster.start_task("worker", 0)
         cluster.start_task("worker", 1)
         coordinator.join()
-        # At least once: the closures in flight when the workers died (one request
-        # each) may count twice.
-        assert n <= float(counter.numpy()) <= n + 2 * RUNS_PER_REQUEST
+        # Exactly once: the closures in flight when the workers died ran again, and
+        # none was applied twice.
+        assert float(counter.numpy()) == n
 
 
 def test_steps_after_a_worker_restart_all_count(cluster):
@@ -140,6 +139,45 @@ def test_steps_after_a_worker_restart_all_count(cluster):
         cluster.start_task("worker", 0)
         model.fit(x, y, batch_size=32, steps_per_epoch=2, epochs=1, verbose=0)
         assert int(model.optimizer.iterations.numpy()) == 4
+
+
+class _WorkerLifecycle(keras.callbacks.Callback):
+    """Mid-fit, worker 0 is SIGKILLed, restarted, killed again and left dead."""
+
+    def __init__(self, cluster, events):
+        super().__init__()
+        self._cluster = cluster
+        self._events = dict(events)  # global step -> what happens to worker 0
+        self._step = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        event = self._events.pop(self._step, None)
+        if event == "kill":
+            self._cluster.kill_task("worker", 0)
+        elif event == "start":
+            self._cluster.start_task("worker", 0)
+
+
+def test_fit_counts_every_step_once_through_worker_kills_and_restarts(cluster):
+    with _logs_on_failure(cluster):
+        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
+        with strategy.scope():
+            model = _model()
+        x, y = _data()
+        events = {5: "kill", 12: "start", 20: "kill"}  # then gone for good
+        history = model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=3,
+            verbose=0,
+            callbacks=[_WorkerLifecycle(cluster, events)],
+        )
+        # Every step counted once: none lost with a worker, none applied twice.
+        assert int(model.optimizer.iterations.numpy()) == 3 * 16
+        assert history.history["loss"][-1] < 0.6 * history.history["loss"][0]
+        cluster.start_task("worker", 0)  # leave the shared cluster whole
 
 
 def _worker_index():
@@ -189,3 +227,36 @@ def test_lost_ps_task_raises_unavailable(cluster):
         assert time.monotonic() - killed < 60
         assert "/job:ps/replica:0/task:0" in str(raised.value)
         assert raised.value.lost_tasks == ("/job:ps/replica:0/task:0",)
+
+
+class _KillPs0(keras.callbacks.Callback):
+    def __init__(self, cluster, at_step):
+        super().__init__()
+        self._cluster, self._at_step, self._step = cluster, at_step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._step == self._at_step:
+            self._cluster.kill_task("ps", 0)
+
+
+def test_a_ps_killed_mid_fit_is_named_and_its_empty_restart_refused(cluster):
+    # Runs after the test above left ps 0 dead: it comes back empty first.
+    with _logs_on_failure(cluster):
+        cluster.start_task("ps", 0)
+        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
+        with strategy.scope():
+            model = _model()
+        x, y = _data()
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        started = time.monotonic()
+        with pytest.raises(errors.UnavailableError) as raised:
+            model.fit(x, y, batch_size=32, epochs=5, verbose=0, callbacks=[_KillPs0(cluster, 3)])
+        assert time.monotonic() - started < 60
+        assert raised.value.lost_tasks == ("/job:ps/replica:0/task:0",)
+        # The ps task is back, empty: training on must not start from fresh values.
+        cluster.start_task("ps", 0)
+        with pytest.raises(errors.OpError) as raised:
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        assert "/job:ps/replica:0/task:0" in str(raised.value)
+        assert "restarted and lost its variables" in str(raised.value)

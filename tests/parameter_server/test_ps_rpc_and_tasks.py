@@ -171,6 +171,33 @@ def test_store_updates_are_atomic_per_request():
         server.stop()
 
 
+def test_a_step_run_again_is_applied_once_per_ps_task():
+    # A worker lost after its step reached a ps task: the coordinator runs the call
+    # again elsewhere, with the same run id, and that ps task does not apply it twice.
+    cluster = _cluster(num_ps=2)
+    ps = [kd.Server(cluster, job_name="ps", task_index=i) for i in range(2)]
+    servers = ParameterServers(ClusterSpec(cluster))
+    try:
+        counters = [Location((Shard(i, f"c{i}", None),), (), "int64") for i in range(2)]
+        for location in counters:
+            servers.create(location, np.int64(0))
+        # The first run reached ps 0 only (the worker died between the requests).
+        servers.update([(counters[0], "add", np.int64(1))], run_id="call-7")
+        again = servers.update(
+            [(location, "add", np.int64(1)) for location in counters],
+            read=counters,
+            run_id="call-7",
+        )
+        assert [int(v) for v in again] == [1, 1]
+        servers.update([(counters[0], "add", np.int64(1))], run_id="call-8")
+        servers.update([(counters[0], "add", np.int64(1))])  # no id: always applied
+        assert [int(v) for v in servers.read(counters)] == [3, 1]
+    finally:
+        servers.close()
+        for server in ps:
+            server.stop()
+
+
 def test_a_lost_ps_task_is_unavailable_and_named():
     cluster = _cluster()
     servers = ParameterServers(ClusterSpec(cluster), timeout=5)

@@ -15,7 +15,9 @@ op                      served  what it does
 ``create``              ps      stores one value per key (``if_absent``: keeps one)
 ``read``                ps      the values of ``keys``, one consistent snapshot
 ``update``              ps      ``writes`` (assign/add/sub), optimizer ``updates``,
-                                then the values of ``read``, all under one lock
+                                then the values of ``read``, all under one lock;
+                                once per ``run_id`` (a call run again is not
+                                applied again)
 ``delete``              ps      forgets ``keys`` (a variable was freed)
 ``load_update``         ps      keeps an optimizer update's program (the blob)
 ``load``                worker  keeps a scheduled function's program (the blob)
@@ -60,7 +62,8 @@ UPDATE = Op(
     "update",
     "ps",
     (("writes", list),),
-    (("read", list), ("updates", list)),
+    # ``run_id``: the scheduled call whose step this is; a ps applies each once.
+    (("read", list), ("updates", list), ("run_id", _ID)),
     arrays="one per write, then each optimizer update's arrays",
 )
 DELETE = Op("delete", "ps", (("keys", list),))
@@ -86,7 +89,8 @@ RUN = Op(
     "run",
     "worker",
     (("program_id", _ID), ("worker_index", int), ("iterators", list)),
-    (("epoch", (int, type(None))), ("n_arrays", int)),
+    # ``run_id`` stays the same when a lost worker's call runs again elsewhere.
+    (("epoch", (int, type(None))), ("n_arrays", int), ("run_id", _ID)),
     arrays="the program's inputs",
 )
 RUN_MANY = Op(

@@ -22,6 +22,7 @@ structure; the exported program then takes only the variables it uses.
 
 import itertools
 import threading
+import uuid
 import weakref
 
 import jax
@@ -85,6 +86,10 @@ class Program:
         return jax.tree_util.tree_unflatten(self.out_tree, list(flat))
 
 
+_RUN_ID_PREFIX = uuid.uuid4().hex[:16]  # this coordinator process's calls
+_RUN_IDS = itertools.count()
+
+
 class Call:
     """One scheduled call: its program, array arguments and per-worker inputs."""
 
@@ -97,6 +102,9 @@ class Call:
         self.args = args  # [(position, array)] the same for every worker
         self.per_worker_args = per_worker_args  # [(position, PerWorkerValues)]
         self.iterators = iterators  # [(PerWorkerIterator, count)]
+        # Names this call's step on the ps tasks: when its worker is lost after
+        # some ps applied it, the run on another worker is not applied twice.
+        self.run_id = f"{_RUN_ID_PREFIX}-{next(_RUN_IDS)}"
 
     def arrays_for(self, worker_index: int) -> list:
         """The program's array arguments as worker ``worker_index`` takes them."""

@@ -4,7 +4,7 @@ The thread takes a closure (or a few queued closures of one program), makes
 sure the worker has what it needs (the program, the per-worker datasets and
 iterators it reads) and asks it to run them, in one request. A worker that
 cannot be reached gives its closures back to the queue (another worker runs
-them: at least once) and is probed until it answers again; then everything
+them; each call's step is applied on the ps tasks once, by its ``run_id``) and is probed until it answers again; then everything
 it had is sent again: a restarted worker rebuilds its datasets. A lost ps
 task is fatal, as in TF: the error reaches ``join``/``schedule``.
 """
@@ -80,7 +80,8 @@ class WorkerThread:
             and error.lost_tasks == (self.name,)
             and isinstance(error, (errors.UnavailableError, errors.DeadlineExceededError))
         ):
-            # The worker is lost: all of them run on another worker (at least once).
+            # The worker is lost: all of them run on another worker. Those it
+            # finished before it was lost are not applied again (their run ids).
             for closure in reversed(closures):
                 self._queue.put_back(closure)
             self._wait_until_back()
@@ -154,6 +155,7 @@ class WorkerThread:
                     iterators=[[it.iterator_id, count] for it, count in call.iterators],
                     epoch=call.epoch,
                     n_arrays=len(arguments),
+                    run_id=call.run_id,
                 )
             )
             arrays += arguments

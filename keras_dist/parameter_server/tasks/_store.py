@@ -18,6 +18,7 @@ across workers; ``assign`` is last-writer-wins, as on TF's parameter servers.
 [1.0, 1.0]
 """
 
+import collections
 import threading
 
 import numpy as np
@@ -28,6 +29,11 @@ from keras_dist.parameter_server.rpc import _wire
 from keras_dist.parameter_server.tasks._loaded_update import LoadedUpdate
 
 
+# A call is run again within seconds of its worker's loss, while the other
+# workers' calls go on: this many of the latest are plenty, and bound memory.
+_REMEMBERED_RUNS = 1 << 16
+
+
 class VariableStore:
     """The variables of one ps task; ``handle`` answers the transport's requests."""
 
@@ -36,6 +42,9 @@ class VariableStore:
         self._values: dict = {}
         self._updates: dict = {}  # update id -> LoadedUpdate
         self._lock = threading.Lock()
+        # The run ids of the last requests applied: a call that is run again (its
+        # worker was lost after this task applied its step) is not applied twice.
+        self._applied_runs: collections.OrderedDict = collections.OrderedDict()
         self.version = 0  # bumped by every write; lets readers skip unchanged values
 
     def keys(self) -> list:
@@ -105,7 +114,11 @@ class VariableStore:
                 f"{len(writes)} writes and optimizer updates of {expected - len(writes)} "
                 f"arrays. Received: {len(arrays)} arrays"
             )
+        run_id = header.get("run_id")
         with self._lock:
+            if run_id is not None and run_id in self._applied_runs:
+                values = [self._lookup(key) for key in header.get("read", ())]
+                return _wire.encode({"version": self.version, "repeated": True}, values)
             # A request is applied whole or not at all: every new value is computed
             # into ``staged`` first (a write that cannot be applied raises there), and
             # the store changes only once all of them are.
@@ -135,6 +148,10 @@ class VariableStore:
                     combine = np.add if kind == "add" else np.subtract
                     staged[key] = combine(target, value).astype(target.dtype, copy=False)
             self._values.update(staged)
+            if run_id is not None:
+                self._applied_runs[run_id] = None
+                if len(self._applied_runs) > _REMEMBERED_RUNS:
+                    self._applied_runs.popitem(last=False)
             self.version += 1
             version = self.version
             values = [self._lookup(key) for key in header.get("read", ())]

@@ -213,7 +213,9 @@ class WorkerService:
             # The same requests bring the values back (one round trip per ps
             # task): the next run of this epoch starts from them.
             read = program.locations if epoch is not None else ()
-            fresh = self.servers.update(writes, read=read, updates=updates)
+            fresh = self.servers.update(
+                writes, read=read, updates=updates, run_id=header.get("run_id")
+            )
             with self._lock:
                 for location, value in zip(read, fresh):
                     self._cache[location] = (epoch, value)

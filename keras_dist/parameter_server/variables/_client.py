@@ -147,18 +147,22 @@ class ParameterServers:
                 header["keys"].append(shard.key)
         return self._gather(locations, self._each_task(requests))
 
-    def update(self, writes, read=(), updates=()) -> list:
+    def update(self, writes, read=(), updates=(), run_id=None) -> list:
         """Applies ``writes`` (``(location, kind, value)``: kind ``assign``/``add``/``sub``).
 
         ``updates`` are optimizer updates run on the ps tasks: ``(task, update
         id, arrays)``, after the writes. One atomic request per ps task; the
-        values of ``read`` (locations) come back in the same requests.
+        values of ``read`` (locations) come back in the same requests. With
+        ``run_id`` each ps task applies the request only if it has not applied
+        one with that id before.
         """
         requests: dict = {}
+        once = {} if run_id is None else {"run_id": run_id}
 
         def request(task):
             return requests.setdefault(
-                task, (protocol.request(protocol.UPDATE, writes=[], read=[], updates=[]), [])
+                task,
+                (protocol.request(protocol.UPDATE, writes=[], read=[], updates=[], **once), []),
             )
 
         for location, kind, value in writes:
