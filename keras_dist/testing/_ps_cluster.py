@@ -134,6 +134,10 @@ class MultiProcessCluster:
     def logs(self, task_type: str, task_id: int) -> str:
         return self._runner.logs(task_type, task_id)
 
+    def pid(self, task_type: str, task_id: int) -> int:
+        """The process id of the task's current process (to measure or signal it)."""
+        return self._runner.process_status()[(task_type, task_id)].pid
+
     def all_logs(self) -> str:
         """Every task's log, for a failing test to print."""
         return "\n".join(

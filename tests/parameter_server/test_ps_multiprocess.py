@@ -7,6 +7,9 @@ printed when a test fails.
 """
 
 import contextlib
+import gc
+import os
+import threading
 import time
 
 import jax.numpy as jnp
@@ -208,6 +211,44 @@ def test_fetched_values_outlive_a_worker_failure(cluster):
             seen.update(int(value.fetch()) for value in values)
         assert seen == {0, 1}
         assert remote.fetch() == (1, -1)
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+def test_build_fit_delete_rounds_keep_every_process_flat(cluster):
+    # Each round's model holds MiBs on the ps tasks (weights, Adam's slots, its
+    # compiled update) and on the workers (cached values, programs): before they were
+    # freed, ps 0 grew ~9 MiB a round and worker 0 ~2 MiB, without end.
+    with _logs_on_failure(cluster):
+        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
+        x = np.random.default_rng(0).random((64, 784), dtype=np.float32)
+        y = np.arange(64) % 10
+        pids = {key: cluster.pid(*key) for key in [("ps", 0), ("ps", 1), ("worker", 0)]}
+        pids["coordinator"] = os.getpid()
+        sizes = []
+        for _ in range(30):
+            with strategy.scope():
+                model = keras.Sequential(
+                    [keras.Input((784,)), keras.layers.Dense(512), keras.layers.Dense(10)]
+                )
+                model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            del model
+            gc.collect()
+            time.sleep(0.3)  # the client's freeing thread sends its deletes
+            sizes.append({key: _rss_mib(pid) for key, pid in pids.items()})
+            threads = threading.active_count()
+        for key in pids:
+            # Compiling and the allocator's pools settle within ~15 rounds; after
+            # that nothing grows (a leak of 1 MiB a round would show as 10 MiB).
+            growth = sizes[-1][key] - sizes[-11][key]
+            assert growth < 8, {k: [round(s[k]) for s in sizes] for k in pids}
+        assert threading.active_count() == threads
 
 
 def test_lost_ps_task_raises_unavailable(cluster):

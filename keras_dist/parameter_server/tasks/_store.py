@@ -69,11 +69,24 @@ class VariableStore:
                 self._updates.setdefault(header["update_id"], update)
             return {}, [], b""
         if op == "delete":
-            with self._lock:
-                for key in header["keys"]:
-                    self._values.pop(key, None)
+            self._delete(set(header["keys"]))
             return {}, [], b""
         raise AssertionError(f"`{op}` is in the protocol and not served here")
+
+    def _delete(self, keys: set) -> None:
+        """Forgets ``keys`` and the optimizer updates that use any of them.
+
+        An update's program (compiled here, a few MiB) is of no use once a
+        variable it reads is gone: keys are never reused, so nothing runs it again.
+        """
+        with self._lock:
+            for key in keys:
+                self._values.pop(key, None)
+            self._updates = {
+                update_id: update
+                for update_id, update in self._updates.items()
+                if keys.isdisjoint(update.held)
+            }
 
     def _create(self, keys, arrays, if_absent):
         created = []

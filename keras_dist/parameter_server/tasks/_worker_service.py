@@ -159,9 +159,7 @@ class WorkerService:
         Stops at the first that fails: the reply has the results of those
         that ran (``done``) and the failure's error fields under ``failed``.
         """
-        with self._lock:
-            for program_id in header.get("unload", ()):
-                self._programs.pop(program_id, None)
+        self._unload(header.get("unload", ()))
         results, counts, position, failed = [], [], 0, None
         for call in header["calls"]:
             arguments = arrays[position : position + call["n_arrays"]]
@@ -174,6 +172,17 @@ class WorkerService:
             results += outputs
             counts.append(len(outputs))
         return {"done": len(counts), "counts": counts, "failed": failed}, results, b""
+
+    def _unload(self, program_ids) -> None:
+        """Drops freed programs, and the values cached for variables no program uses."""
+        if not program_ids:
+            return
+        with self._lock:
+            for program_id in program_ids:
+                self._programs.pop(program_id, None)
+            used = {location for p in self._programs.values() for location in p.locations}
+            # A freed model's variables (its weights, MiBs) would stay here otherwise.
+            self._cache = {k: v for k, v in self._cache.items() if k in used}
 
     def _run_now(self, header, arrays):
         program = self._lookup(self._programs, header["program_id"], "program")
