@@ -28,6 +28,7 @@ from keras_dist.cluster_resolver._multi_worker import should_save_summary as sho
 from keras_dist.cluster_resolver._multi_worker import worker_count as worker_count
 from keras_dist.cluster_resolver._multi_worker import write_dirpath as write_dirpath
 from keras_dist.cluster_resolver._multi_worker import write_filepath as write_filepath
+from keras_dist.cluster_resolver._openmpi import OpenMPIClusterResolver as OpenMPIClusterResolver
 from keras_dist.cluster_resolver._resolve import resolve_cluster as resolve_cluster
 from keras_dist.cluster_resolver._simple import SimpleClusterResolver as SimpleClusterResolver
 from keras_dist.cluster_resolver._slurm import SlurmClusterResolver as SlurmClusterResolver
@@ -46,6 +47,7 @@ __all__ = [
     "KubeflowClusterResolver",
     "KubernetesClusterResolver",
     "KubernetesExecutableLocation",
+    "OpenMPIClusterResolver",
     "SimpleClusterResolver",
     "SlurmClusterResolver",
     "TFConfigClusterResolver",

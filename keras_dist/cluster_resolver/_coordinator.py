@@ -2,7 +2,8 @@
 
 ``KubeflowClusterResolver`` reads Kubeflow's JAX variables and
 ``KerasDistributionClusterResolver`` Keras's ``KERAS_DISTRIBUTION_*`` ones;
-both build on ``_CoordinatorClusterResolver``.
+both build on ``CoordinatorClusterResolver``, as ``OpenMPIClusterResolver``
+(``_openmpi.py``) does.
 """
 
 import os
@@ -12,7 +13,7 @@ from keras_dist.cluster_resolver._base import format_master_url
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
 
 
-class _CoordinatorClusterResolver(ClusterResolver):
+class CoordinatorClusterResolver(ClusterResolver):
     """A JAX-style cluster: a coordinator address, a process count and this process's id.
 
     Only the coordinator's address is known; the other workers' addresses are
@@ -36,7 +37,7 @@ class _CoordinatorClusterResolver(ClusterResolver):
         return format_master_url(self.coordinator_address, rpc_layer or self.rpc_layer)
 
 
-class KubeflowClusterResolver(_CoordinatorClusterResolver):
+class KubeflowClusterResolver(CoordinatorClusterResolver):
     """The cluster of a Kubeflow JAXJob / Trainer pod, from its JAX environment variables.
 
     Reads ``COORDINATOR_ADDRESS`` (+ ``COORDINATOR_PORT``), ``NUM_PROCESSES``
@@ -89,7 +90,7 @@ KERAS_VARS = (
 )
 
 
-class KerasDistributionClusterResolver(_CoordinatorClusterResolver):
+class KerasDistributionClusterResolver(CoordinatorClusterResolver):
     """The cluster given by Keras's ``KERAS_DISTRIBUTION_*`` variables.
 
     ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` is comma separated (the first is the

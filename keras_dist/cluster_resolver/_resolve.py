@@ -5,6 +5,7 @@ import os
 from keras_dist.cluster_resolver._coordinator import KERAS_VARS
 from keras_dist.cluster_resolver._coordinator import KerasDistributionClusterResolver
 from keras_dist.cluster_resolver._coordinator import KubeflowClusterResolver
+from keras_dist.cluster_resolver._openmpi import OpenMPIClusterResolver
 from keras_dist.cluster_resolver._slurm import SlurmClusterResolver
 from keras_dist.cluster_resolver._tf_config import TFConfigClusterResolver
 
@@ -12,8 +13,18 @@ from keras_dist.cluster_resolver._tf_config import TFConfigClusterResolver
 def resolve_cluster(environ=None):
     """The resolver for the environment this process runs in, or ``None`` for one process.
 
-    First match wins: ``TF_CONFIG`` with a cluster, ``KERAS_DISTRIBUTION_*``,
-    Kubeflow's JAX variables, a Slurm step with more than one task.
+    First match wins:
+
+    1. ``TF_CONFIG`` with a cluster;
+    2. ``KERAS_DISTRIBUTION_*``;
+    3. Kubeflow's JAX variables;
+    4. an OpenMPI ``mpirun`` job of more than one rank (``OMPI_COMM_WORLD_SIZE``);
+    5. a Slurm step with more than one task.
+
+    OpenMPI comes before Slurm: ranks that ``mpirun`` starts inside a Slurm
+    allocation also see the allocation's ``SLURM_*`` variables, which describe
+    the allocation (or mpirun's daemons), not the ranks. The explicit settings
+    (1-3) come before both, so they override what a scheduler sets.
     ``environ`` defaults to ``os.environ``.
 
     >>> resolve_cluster({}) is None
@@ -21,6 +32,9 @@ def resolve_cluster(environ=None):
     >>> resolve_cluster({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2",
     ...                  "JAX_PROCESS_ID": "0"}).coordinator_address
     'h:1'
+    >>> resolve_cluster({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
+    ...                  "OMPI_MCA_orte_hnp_uri": "65536.0;tcp://10.0.0.1:5000"}).master()
+    '10.0.0.1:61441'
     """
     env = os.environ if environ is None else environ
     tf_config = TFConfigClusterResolver(environ=env)
@@ -30,6 +44,8 @@ def resolve_cluster(environ=None):
         return KerasDistributionClusterResolver(environ=env)
     if KubeflowClusterResolver.detect(env):
         return KubeflowClusterResolver(environ=env)
+    if OpenMPIClusterResolver.detect(env):
+        return OpenMPIClusterResolver(environ=env)
     # A Slurm allocation of one task is one process; srun sets SLURM_PROCID for each task.
     num_tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
     has_nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")

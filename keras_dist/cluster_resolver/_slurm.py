@@ -39,12 +39,31 @@ def _expand_tasks_per_node(value):
     return counts
 
 
+PORT_BASE_ENV = "KERAS_DIST_SLURM_PORT_BASE"
+_DEFAULT_PORT_BASE = 8888  # TF's
+
+
+def _port_base(env) -> int:
+    """``KERAS_DIST_SLURM_PORT_BASE`` when set, else TF's 8888."""
+    value = (env.get(PORT_BASE_ENV) or "").strip()
+    if not value:
+        return _DEFAULT_PORT_BASE
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(
+            f"{PORT_BASE_ENV} must be a port number (1-65535). Received: {PORT_BASE_ENV}={value!r}"
+        )
+    return int(value)
+
+
 class SlurmClusterResolver(ClusterResolver):
     """Reads the cluster of a Slurm step from the ``SLURM_*`` environment variables.
 
     Tasks get ports ``port_base``, ``port_base + 1``, ... on each node, in
-    Slurm's rank order; ``jobs`` (default ``{"worker": SLURM_NTASKS}``) splits
-    the ranks into jobs in order. ``environ`` replaces ``os.environ``.
+    Slurm's rank order; ``port_base`` defaults to ``KERAS_DIST_SLURM_PORT_BASE``
+    when set, else 8888 (TF's), so a job can choose its ports without code
+    (two jobs sharing a node need different ones). ``jobs`` (default
+    ``{"worker": SLURM_NTASKS}``) splits the ranks into jobs in order.
+    ``environ`` replaces ``os.environ``.
 
     >>> env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4",
     ...        "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_TASKS_PER_NODE": "2(x2)"}
@@ -53,12 +72,14 @@ class SlurmClusterResolver(ClusterResolver):
     {'worker': ['node01:8888', 'node01:8889', 'node02:8888', 'node02:8889']}
     >>> resolver.task_type, resolver.task_id, resolver.master()
     ('worker', 2, 'grpc://node02:8888')
+    >>> SlurmClusterResolver(environ={**env, "KERAS_DIST_SLURM_PORT_BASE": "20000"}).master()
+    'grpc://node02:20000'
     """
 
     def __init__(
         self,
         jobs=None,
-        port_base=8888,
+        port_base=None,
         gpus_per_node=None,
         gpus_per_task=None,
         tasks_per_node=None,
@@ -86,6 +107,7 @@ class SlurmClusterResolver(ClusterResolver):
                 "Requested more tasks than assigned tasks. "
                 f"Received: jobs={self._jobs!r}, SLURM_NTASKS={num_tasks}"
             )
+        port_base = _port_base(env) if port_base is None else int(port_base)
         self._port_base = port_base
         self._gpus_per_task = gpus_per_task
         # auto_set_gpu (TF sets CUDA_VISIBLE_DEVICES) is not done: JAX picks its local devices.

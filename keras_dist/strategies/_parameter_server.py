@@ -11,8 +11,9 @@ Two ways to run, as in TF:
   their values) and trains on them asynchronously with the other workers.
 
 In a ``ps`` task, creating the strategy serves the task's variables until the
-job ends, so one program can run on every task. The runtime (servers,
-transport, programs) is ``keras_dist.parameter_server``.
+job ends, so one program can run on every task. The job ends when a ``chief``
+task's program does: it tells the ps and worker servers to stop at its exit.
+The runtime (servers, transport, programs) is ``keras_dist.parameter_server``.
 """
 
 import logging
@@ -37,6 +38,7 @@ from keras_dist.cluster_resolver import TFConfigClusterResolver
 from keras_dist.cluster_resolver._role import ProcessRole
 from keras_dist.parameter_server._data import DirectDataset
 from keras_dist.parameter_server._fit import ParameterServerSteps
+from keras_dist.parameter_server._job import stop_servers_at_exit
 from keras_dist.parameter_server.scheduling._program_cache import ProgramCache
 from keras_dist.parameter_server.scheduling._trace import current_trace
 from keras_dist.parameter_server.tasks._server import Server
@@ -395,7 +397,9 @@ class ParameterServerStrategy(Strategy):
             axis (see ``kd.experimental.partitioners``). ``None``: no sharding.
 
     On the coordinator, use it with ``kd.coordinator.ClusterCoordinator``; in a
-    worker task it trains between-graph; in a ps task it serves until the job ends.
+    worker task it trains between-graph; in a ps task it serves until the job ends,
+    then ends the task's program (``SystemExit(0)``). A ``chief`` task's program
+    ends the job: at its exit it tells every ps and worker server to stop.
 
     >>> import keras, keras_dist as kd
     >>> resolver = kd.testing.create_in_process_cluster(num_workers=1, num_ps=2)
@@ -412,10 +416,17 @@ class ParameterServerStrategy(Strategy):
         validate_cluster(spec, resolver.task_type)
         self._cluster_resolver = resolver
         super().__init__(ParameterServerExtended(self, resolver, variable_partitioner))
+        if resolver.task_type == "chief":
+            # The job ends with the chief: its servers stop too, however the tasks were started.
+            stop_servers_at_exit(spec)
         if resolver.task_type == "ps":
             server = Server(resolver, "ps", resolver.task_id)
             logger.info("ps task %s serves until the job ends", resolver.task_id)
             server.join()
+            # The chief ended the job. Returning would run the rest of the program,
+            # the chief's part, in this task: the task's program ends here instead.
+            logger.info("ps task %s: the job ended", resolver.task_id)
+            raise SystemExit(0)
 
     @property
     def cluster_resolver(self):

@@ -286,7 +286,9 @@ def _settle_first_values(strategy):
     nested = frame.strategy is strategy and frame.entered_scope
     extended = strategy.extended
     # Not inside a trace: the engine syncs before it builds a program.
-    if not nested and frame.engine is None and isinstance(extended, MeshRuntime) and extended.spans_processes:
+    if nested or frame.engine is not None or not isinstance(extended, MeshRuntime):
+        return
+    if extended.spans_processes:
         extended.sync_initial_values()
 
 

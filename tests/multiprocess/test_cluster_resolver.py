@@ -328,6 +328,90 @@ def test_slurm_step_variables_jobs_and_port_base():
         cr.SlurmClusterResolver(jobs={"worker": 4}, environ=env)
 
 
+def test_slurm_port_base_comes_from_the_environment_unless_given():
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    with_base = {**env, "KERAS_DIST_SLURM_PORT_BASE": "20000"}
+    assert cr.SlurmClusterResolver(environ=with_base).cluster_spec().as_dict() == {
+        "worker": ["n1:20000", "n2:20000"]
+    }
+    assert cr.SlurmClusterResolver(port_base=9000, environ=with_base).master() == "grpc://n2:9000"
+    assert cr.SlurmClusterResolver(environ=env).master() == "grpc://n2:8888"  # TF's default
+    assert cr.resolve_cluster(with_base).master() == "grpc://n2:20000"
+    with pytest.raises(ValueError, match=r"KERAS_DIST_SLURM_PORT_BASE='http'"):
+        cr.SlurmClusterResolver(environ={**env, "KERAS_DIST_SLURM_PORT_BASE": "http"})
+
+
+def _ompi(rank="1", size="4", uri="1147731968.0;tcp://10.0.0.5,192.168.1.5:37407", **extra):
+    return {
+        "OMPI_COMM_WORLD_RANK": rank,
+        "OMPI_COMM_WORLD_SIZE": size,
+        "OMPI_MCA_orte_hnp_uri": uri,
+        **extra,
+    }
+
+
+# 1147731968 = 0x44690000 is a job id OpenMPI 4.1 gave: its family 0x4469 % 4096 = 1129 picks
+# port 61440 + 1129.
+@pytest.mark.parametrize(
+    "uri, address",
+    [
+        ("1147731968.0;tcp://10.0.0.5,192.168.1.5:37407", "10.0.0.5:62569"),
+        ("1147731968.0;tcp://127.0.0.1:56427", "127.0.0.1:62569"),
+        # mpirun lists IPv4 before IPv6 when the host has both: the first list counts.
+        ("1147731968.0;tcp://192.0.2.2:37407;tcp6://[fd00::2]:41353", "192.0.2.2:62569"),
+        # IPv6 only: the address is bracketed, so host and port stay apart.
+        (
+            "1314521088.0;tcp6://[fe80::b9b:ac5d:9cf0:b858,2620:10d:c083::2]:43370",
+            "[fe80::b9b:ac5d:9cf0:b858]:65114",
+        ),
+        ("65536.0;tcp://h:1", "h:61441"),  # job family 1 (the low 16 bits: a job in it)
+        (f"{4097 * 65536 + 1}.0;tcp://h:1", "h:61441"),  # family 4097: the ports come round
+    ],
+    ids=["two addresses", "loopback", "tcp and tcp6", "tcp6", "family 1", "family 4097"],
+)
+def test_openmpi_coordinator_from_the_hnp_uri(uri, address):
+    resolver = cr.OpenMPIClusterResolver(environ=_ompi(uri=uri))
+    assert resolver.coordinator_address == address
+    assert resolver.master() == address
+    assert (resolver.num_processes, resolver.process_id) == (4, 1)
+    assert (resolver.task_type, resolver.task_id) == ("worker", 1)
+    assert resolver.cluster_spec().as_dict() == {"worker": [address, "", "", ""]}
+
+
+def test_openmpi_coordinator_port_from_the_environment():
+    env = _ompi(KERAS_DIST_COORDINATOR_PORT="23456")
+    assert cr.OpenMPIClusterResolver(environ=env).coordinator_address == "10.0.0.5:23456"
+    # The job id is not needed then (an mpirun whose URI has none).
+    env = _ompi(uri=";tcp://10.0.0.5:1", KERAS_DIST_COORDINATOR_PORT="23456")
+    assert cr.OpenMPIClusterResolver(environ=env).coordinator_address == "10.0.0.5:23456"
+    with pytest.raises(ValueError, match=r"Received: KERAS_DIST_COORDINATOR_PORT='70000'"):
+        cr.OpenMPIClusterResolver(environ=_ompi(KERAS_DIST_COORDINATOR_PORT="70000"))
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {},
+            r"missing \['OMPI_COMM_WORLD_SIZE', 'OMPI_COMM_WORLD_RANK', 'OMPI_MCA_orte_hnp_uri'\]",
+        ),
+        (
+            {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"},
+            r"missing \['OMPI_MCA_orte_hnp_uri'\]\. Received: \{'OMPI_COMM_WORLD_SIZE': '2'",
+        ),
+        (_ompi(rank="two"), r"Received: OMPI_COMM_WORLD_SIZE='4', OMPI_COMM_WORLD_RANK='two'"),
+        (_ompi(rank="4"), r"rank < size"),
+        (_ompi(uri="1147731968.0;ud://123"), r"Received: OMPI_MCA_orte_hnp_uri='1147731968.0;ud"),
+        (_ompi(uri="1147731968.0"), r"Cannot find the coordinator's host"),
+        (_ompi(uri="x.0;tcp://h:1"), r"does not start with .*Received: OMPI_MCA_orte_hnp_uri"),
+    ],
+    ids=["nothing", "no uri", "rank not a number", "rank too large", "no tcp", "no list", "job"],
+)
+def test_openmpi_resolver_says_what_is_missing_or_malformed(env, message):
+    with pytest.raises(ValueError, match=message):
+        cr.OpenMPIClusterResolver(environ=env)
+
+
 def test_kubeflow_resolver():
     env = {
         "COORDINATOR_ADDRESS": "trainer-0.svc",
@@ -384,11 +468,19 @@ def test_resolve_cluster_order():
     assert isinstance(cr.resolve_cluster(slurm), cr.SlurmClusterResolver)
     assert cr.resolve_cluster({**slurm, "SLURM_NTASKS": "1"}) is None
     assert cr.resolve_cluster({}) is None
+    # mpirun's ranks inside a Slurm allocation see its SLURM_* too: OpenMPI's variables win.
+    ompi = _ompi(rank="1", size="2")
+    assert isinstance(cr.resolve_cluster({**ompi, **slurm}), cr.OpenMPIClusterResolver)
+    assert isinstance(cr.resolve_cluster({**kubeflow, **ompi}), cr.KubeflowClusterResolver)
+    # One rank is one process; a size that is not a number is reported, not ignored.
+    assert cr.resolve_cluster(_ompi(rank="0", size="1")) is None
+    with pytest.raises(ValueError, match="OMPI_COMM_WORLD_SIZE='many'"):
+        cr.resolve_cluster(_ompi(size="many"))
 
 
 def test_resolve_cluster_defaults_to_os_environ(monkeypatch):
     for name in list(os.environ):
-        if name.startswith(("TF_CONFIG", "KERAS_DISTRIBUTION_", "SLURM_", "JAX_COORD")):
+        if name.startswith(("TF_CONFIG", "KERAS_DISTRIBUTION_", "SLURM_", "JAX_COORD", "OMPI_")):
             monkeypatch.delenv(name)
     for name in ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID"):
         monkeypatch.delenv(name, raising=False)

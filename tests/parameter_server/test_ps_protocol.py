@@ -30,10 +30,11 @@ SAMPLES = {
     "run_many": {"calls": [{"program_id": "p1", "worker_index": 1, "iterators": []}]},
     "dataset": {"dataset_id": "d1", "worker_index": 0},
     "iterator": {"dataset_id": "d1", "iterator_id": "i1"},
+    "stop": {},
 }
 
 
-def test_the_schema_has_the_eleven_ops():
+def test_the_schema_has_the_twelve_ops():
     assert sorted(protocol.OPS) == sorted(SAMPLES)
 
 

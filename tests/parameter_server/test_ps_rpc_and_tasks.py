@@ -214,6 +214,28 @@ def test_server_checks_its_arguments():
         kd.Server(_cluster(), job_name="trainer", task_index=0, start=False)
 
 
+def test_stop_ends_each_server_s_join_and_skips_gone_ones():
+    # What a chief's program does at exit (parameter_server/_job.py): the job is over.
+    from keras_dist.parameter_server._job import stop_servers
+
+    cluster = _cluster(num_ps=1, num_workers=1)
+    servers = [kd.Server(cluster, job_name=job, task_index=0) for job in ("ps", "worker")]
+    joined = []
+    threads = [
+        threading.Thread(target=lambda s=s: (s.join(), joined.append(s.job_name))) for s in servers
+    ]
+    for thread in threads:
+        thread.start()
+    gone = ("/job:worker/replica:0/task:1", f"127.0.0.1:{kd.testing.pick_unused_port()}")
+    targets = [(s.task_name, cluster[s.job_name][0]) for s in servers] + [gone]
+    stop_servers(targets, timeout=10)
+    for thread in threads:
+        thread.join(timeout=10)
+    assert sorted(joined) == ["ps", "worker"]
+    with pytest.raises(errors.UnavailableError):  # no longer serving
+        RpcClient(cluster["ps"][0], name="ps").call({"op": "ping"}, timeout=2)
+
+
 def _certificate(tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(

@@ -25,6 +25,8 @@ op                      served  what it does
 ``run_many``            worker  several ``run`` calls in one request, in order
 ``dataset``             worker  builds a per-worker dataset (the blob: its function)
 ``iterator``            worker  starts an iterator over a built dataset
+``stop``                any     stops the task's server once it has answered (the
+                                chief's program ended: the job is over)
 ======================  ======  ==================================================
 
 >>> request(READ, keys=["v/0"])
@@ -56,6 +58,7 @@ class Op(NamedTuple):
 
 _ID = str
 PING = Op("ping", "any")
+STOP = Op("stop", "any")
 CREATE = Op("create", "ps", (("keys", list),), (("if_absent", bool),), arrays="one value per key")
 READ = Op("read", "ps", (("keys", list),))
 UPDATE = Op(
@@ -111,7 +114,7 @@ ITERATOR = Op("iterator", "worker", (("dataset_id", _ID), ("iterator_id", _ID)))
 OPS = {
     op.name: op
     for op in (PING, CREATE, READ, UPDATE, DELETE, LOAD_UPDATE, LOAD, RUN, RUN_MANY)
-    + (DATASET, ITERATOR)
+    + (DATASET, ITERATOR, STOP)
 }
 
 

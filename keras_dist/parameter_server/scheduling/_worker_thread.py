@@ -4,8 +4,9 @@ The thread takes a closure (or a few queued closures of one program), makes
 sure the worker has what it needs (the program, the per-worker datasets and
 iterators it reads) and asks it to run them, in one request. A worker that
 cannot be reached gives its closures back to the queue (another worker runs
-them; each call's step is applied on the ps tasks once, by its ``run_id``) and is probed until it answers again; then everything
-it had is sent again: a restarted worker rebuilds its datasets. A lost ps
+them; each call's step is applied on the ps tasks once, by its ``run_id``)
+and is probed until it answers again; then everything it had is sent again:
+a restarted worker rebuilds its datasets. A lost ps
 task is fatal, as in TF: the error reaches ``join``/``schedule``.
 """
 

@@ -7,9 +7,11 @@ its whole cluster in a notebook), or one per process, started from TF_CONFIG.
 """
 
 import logging
+import threading
 
 from keras_dist.cluster_resolver import ClusterResolver
 from keras_dist.cluster_resolver import ClusterSpec
+from keras_dist.parameter_server.rpc import _protocol as protocol
 from keras_dist.parameter_server.rpc._auth import token_from_environment
 from keras_dist.parameter_server.rpc._transport import RpcServer
 from keras_dist.parameter_server.tasks._memory import is_own_task
@@ -96,9 +98,7 @@ class Server:
         else:
             workers = spec.num_tasks("worker") if "worker" in spec.jobs else 1
             self._service = WorkerService(self.task_name, spec, workers, credentials=None)
-        self._rpc = RpcServer(
-            address, self._service.handle, name=self.task_name, credentials=credentials
-        )
+        self._rpc = RpcServer(address, self._handle, name=self.task_name, credentials=credentials)
         self._address = address
         self._started = False
         if start:
@@ -142,12 +142,30 @@ class Server:
         _RUNNING.add(self)
 
     def join(self) -> None:
-        """Blocks until the server stops (TF's ``join``: a ps task serves until the job ends)."""
+        """Blocks until the server stops (TF's ``join``: a ps task serves until the job ends).
+
+        The job ends when the chief's program does: it sends every ps and worker
+        task a ``stop`` request (``keras_dist.parameter_server._job``), and
+        ``join`` returns.
+        """
         self._rpc.wait()
 
     def stop(self) -> None:
         """Stops serving; in-process test clusters call this to simulate a lost task."""
-        self._rpc.stop(grace=None)
+        self._stop(grace=None)
+
+    def _handle(self, header: dict, arrays: list, blob: bytes):
+        """The service's answer, or, for ``stop``, a reply now and the server stopped after it."""
+        if header.get("op") != protocol.STOP.name:
+            return self._service.handle(header, arrays, blob)
+        protocol.check_request(header, "ps" if self.job_name == "ps" else "worker")
+        logger.info("%s stops: the chief's program ended", self.task_name)
+        # Stopping waits for calls in flight, this one included: not from its own thread.
+        threading.Thread(target=self._stop, args=(5.0,), name="kd-server-stop", daemon=True).start()
+        return {"task": self.task_name}, [], b""
+
+    def _stop(self, grace) -> None:
+        self._rpc.stop(grace=grace)
         self._started = False
         _RUNNING.discard(self)
         close = getattr(self._service, "close", None)
