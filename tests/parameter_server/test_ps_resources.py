@@ -68,14 +68,17 @@ def test_build_fit_delete_rounds_keep_models_ps_keys_and_worker_programs_flat():
                 _count(PSVariable),
                 _keys_once_freed(ps),
                 len(worker.loaded_programs),
+                len(strategy.extended.programs.dropped),
                 len(jax.live_arrays()),
                 threading.active_count(),
             )
         )
     assert held_keys > 0  # a live model's variables were on the ps
-    steps, variables, keys, programs, arrays, threads = zip(*rounds)
+    steps, variables, keys, programs, dropped, arrays, threads = zip(*rounds)
     assert set(steps) == {0} and set(variables) == {0} and set(keys) == {0}, rounds
     # The last round's program is freed with its model and dropped at the next request.
     assert max(programs) <= 1, rounds
+    # The coordinator forgets a freed program once no worker holds it.
+    assert max(dropped) <= 1, rounds
     assert max(arrays[2:]) <= 1.2 * max(arrays[1], 1), rounds
     assert max(threads[2:]) <= threads[1], rounds

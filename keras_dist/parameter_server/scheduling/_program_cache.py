@@ -127,8 +127,11 @@ class ProgramCache:
         self._lock = threading.Lock()
         self.traces = 0  # how many programs were traced (tests count retraces)
         # Programs freed here (their function or variables are gone): each worker
-        # that loaded one is told to drop it with its next request.
+        # that loaded one is told to drop it with its next request. An id leaves
+        # the set once no worker holds it (it stays bounded however many models
+        # come and go); ``_holders`` says which workers loaded each program.
         self._dropped: set = set()
+        self._holders: dict = {}  # program id -> indices of the workers holding it
 
     @property
     def dropped(self) -> set:
@@ -137,6 +140,30 @@ class ProgramCache:
         The live set (read it, don't change it): ``finalize`` callbacks add to it.
         """
         return self._dropped
+
+    def loaded(self, program_id: str, worker: int) -> None:
+        """Worker ``worker`` now holds the program."""
+        with self._lock:
+            self._holders.setdefault(program_id, set()).add(worker)
+
+    def unloaded(self, program_ids, worker: int) -> None:
+        """Worker ``worker`` dropped these programs (or restarted and lost them)."""
+        with self._lock:
+            for program_id in program_ids:
+                holders = self._holders.get(program_id)
+                if holders is None:
+                    continue
+                holders.discard(worker)
+                if not holders:
+                    del self._holders[program_id]
+                    self._dropped.discard(program_id)
+
+    def _freed(self, program_id: str) -> None:
+        # A finalizer, run wherever the program is collected: no lock (the thread
+        # may hold it already), and a worker thread cannot be loading this program
+        # (a call in flight keeps it alive). Never loaded: nothing to tell anyone.
+        if program_id in self._holders:
+            self._dropped.add(program_id)
 
     def call(self, fn, args, kwargs) -> Call:
         """Traces ``fn`` for these arguments (once per signature); the ``Call`` to send."""
@@ -301,7 +328,7 @@ class ProgramCache:
             counts,
             [update for _, update in plan],
         )
-        weakref.finalize(program, self._dropped.add, program.program_id).atexit = False
+        weakref.finalize(program, self._freed, program.program_id).atexit = False
         return program
 
 

@@ -106,7 +106,7 @@ class WorkerThread:
                 time.sleep(PROBE_INTERVAL)
                 continue
             break
-        self._sent.clear()
+        self._forget_sent()
         self.available = True
 
     def _run_many(self, calls) -> tuple:
@@ -127,7 +127,7 @@ class WorkerThread:
             ):
                 # The worker restarted between two calls: send everything again.
                 resent = True
-                self._sent.clear()
+                self._forget_sent()
                 continue
             return values, error
         return values, None
@@ -176,6 +176,12 @@ class WorkerThread:
                 return values, error
         return values, failure
 
+    def _forget_sent(self) -> None:
+        """The worker restarted: it has none of what it was sent (it gets it again)."""
+        if self._programs is not None:
+            self._programs.unloaded(list(self._sent), self.index)
+        self._sent.clear()
+
     def _freed_programs(self) -> list:
         """Programs this worker loaded that the coordinator freed: it drops them now."""
         if self._programs is None:
@@ -183,6 +189,7 @@ class WorkerThread:
         # Iterates this worker's few loaded ids, not every program ever freed.
         freed = sorted(i for i in self._sent if i in self._programs.dropped)
         self._sent.difference_update(freed)
+        self._programs.unloaded(freed, self.index)
         return freed
 
     def _ensure(self, call) -> None:
@@ -190,6 +197,8 @@ class WorkerThread:
         if program.program_id not in self._sent:
             self.client.call(program.header(), (), program.blob, timeout=RUN_TIMEOUT)
             self._sent.add(program.program_id)
+            if self._programs is not None:
+                self._programs.loaded(program.program_id, self.index)
         for iterator, _ in call.iterators:
             dataset = iterator.dataset
             if dataset.dataset_id not in self._sent:
