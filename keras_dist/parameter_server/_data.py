@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._capabilities import MeshRuntime
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._input import InputContext
 
@@ -79,6 +80,7 @@ class DatasetCreator(keras.utils.PyDataset):
         self.input_options = input_options
         self._tokens = None
         self._local = None  # (context, iterator) when this process reads the batches
+        self._last = None  # (index, batch): what the last ``__getitem__`` returned
         # Keras may read an epoch's batches while the last epoch's reader still
         # runs (both in threads): one ``next`` on the pipeline at a time.
         self._reading = threading.Lock()
@@ -88,7 +90,7 @@ class DatasetCreator(keras.utils.PyDataset):
 
     def __getstate__(self):
         # A copy (Keras's multiprocessing readers) starts its own pipeline.
-        state = dict(self.__dict__, _local=None)
+        state = dict(self.__dict__, _local=None, _last=None)
         state.pop("_reading")
         return state
 
@@ -103,7 +105,7 @@ class DatasetCreator(keras.utils.PyDataset):
         strategy = _context.get_strategy()
         extended = strategy.extended
         if not (isinstance(extended, RemoteScheduling) and extended.schedules_on_workers):
-            return self._next_local_batch(strategy)
+            return self._batch_at(index, strategy)
         # Keras reads this on the coordinator: tokens shaped like a batch (Keras
         # builds its metrics from their shapes) saying "read on the worker".
         if self._tokens is None:
@@ -116,14 +118,40 @@ class DatasetCreator(keras.utils.PyDataset):
             self._tokens = tuple(tokens) if isinstance(tokens, (tuple, list)) else (tokens,)
         return self._tokens
 
-    def _next_local_batch(self, strategy):
-        """Under other strategies this process reads the pipeline itself, across epochs (TF's)."""
-        with self._reading:
-            return self._next_local_batch_locked(strategy)
+    def _batch_at(self, index, strategy):
+        """The batch for ``index``: Keras asks for index 0 twice (a peek, then the read)."""
+        last = self._last
+        if last is not None and last[0] == index:
+            return last[1]
+        batch = self._next_local_batch(strategy)
+        self._last = (index, batch)
+        return batch
 
-    def _next_local_batch_locked(self, strategy):
+    def _next_local_batch(self, strategy):
+        """Under other strategies this process reads the pipeline itself, across epochs (TF's).
+
+        As TF's ``distribute_datasets_from_function``, the function builds one
+        pipeline per worker (``InputContext(num_workers, worker_index,
+        replicas)``) whose elements are per-replica batches: each of this
+        worker's replicas takes one, so the global batch is
+        ``get_per_replica_batch_size(global) * num_replicas_in_sync`` rows.
+        Across processes the workers' rows are gathered into that global batch
+        (every worker's ``fit`` steps on the same one, each replica on its own rows).
+        """
+        extended = strategy.extended
+        mesh = isinstance(extended, MeshRuntime)
+        replicas = extended.num_local_replicas if mesh else 1
+        with self._reading:
+            pieces = [self._next_element(strategy) for _ in range(replicas)]
+        if replicas == 1 and not (mesh and extended.spans_processes):
+            return pieces[0]
+        return jax.tree_util.tree_map(lambda *leaves: _global_rows(extended, leaves), *pieces)
+
+    def _next_element(self, strategy):
         if self._local is None:
-            context = InputContext(1, 0, strategy.num_replicas_in_sync)
+            extended = strategy.extended
+            n = strategy.num_replicas_in_sync
+            context = InputContext(extended.num_workers, extended.worker_index, n)
             self._local = (context, iter(self._build(context)))
         context, iterator = self._local
         try:
@@ -134,6 +162,22 @@ class DatasetCreator(keras.utils.PyDataset):
 
     def _build(self, context):
         return self.dataset_fn(context) if _takes_context(self.dataset_fn) else self.dataset_fn()
+
+
+def _global_rows(extended, leaves):
+    """This worker's replicas' batches as rows of the global batch (gathered across processes)."""
+    shapes = {np.shape(leaf) for leaf in leaves}
+    if len(shapes) != 1:
+        raise ValueError(
+            "The batches a `DatasetCreator`'s pipeline gives this worker's replicas must have "
+            "one shape (batch with `drop_remainder=True`, or give every batch the same size). "
+            f"Received: shapes={sorted(shapes)}"
+        )
+    stacked = np.stack([np.asarray(leaf) for leaf in leaves])
+    if extended.spans_processes:
+        placement = extended.placement
+        stacked = np.asarray(placement.all_rows(placement.put_local_rows(stacked)))
+    return stacked.reshape((-1,) + stacked.shape[2:])
 
 
 class FromWorkers:

@@ -689,3 +689,52 @@ def test_the_chief_alone_may_read_the_first_weights():
 
     keras.utils.set_random_seed(0)  # worker 0's first values
     np.testing.assert_array_equal(first, _flat(_tiny_model().get_weights()))
+
+
+def _pipeline_of(context):
+    """One pipeline per worker (TF's DatasetCreator): per-replica batches of its own rows."""
+    rng = np.random.default_rng(100 + context.input_pipeline_id)
+    rows = context.get_per_replica_batch_size(8)
+    while True:
+        x = rng.normal(size=(rows, 3)).astype("float32")
+        yield x, x.sum(axis=1, keepdims=True)
+
+
+def _dataset_creator_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import keras
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = _tiny_model()
+    first = _flat(model.get_weights())
+    contexts = []
+
+    def dataset_fn(context):
+        contexts.append((context.num_input_pipelines, context.input_pipeline_id))
+        return _pipeline_of(context)
+
+    creator = kd.experimental.DatasetCreator(dataset_fn)
+    model.fit(creator, epochs=2, steps_per_epoch=4, verbose=0)
+    return {"first": first, "final": _flat(model.get_weights()), "contexts": contexts}
+
+
+def test_dataset_creator_builds_one_pipeline_per_worker():
+    import keras
+
+    chief, worker = _launch(_dataset_creator_worker)
+    assert chief["contexts"] == [(2, 0)] and worker["contexts"] == [(2, 1)]
+    np.testing.assert_array_equal(chief["final"], worker["final"])
+    # One device on the same global batches: step k is worker 0's k-th batch of 4
+    # rows, then worker 1's.
+    pipelines = [_pipeline_of(kd.InputContext(2, i, 2)) for i in (0, 1)]
+    steps = [[next(p) for p in pipelines] for _ in range(8)]
+    x = np.concatenate([b[0] for step in steps for b in step])
+    y = np.concatenate([b[1] for step in steps for b in step])
+    model = _tiny_model()
+    shapes = [w.shape for w in model.get_weights()]
+    split = np.split(chief["first"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+    keras.utils.set_random_seed(0)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    np.testing.assert_allclose(chief["final"], _flat(model.get_weights()), atol=1e-5)
