@@ -39,6 +39,7 @@ from keras_dist._keras import pending_variables
 from keras_dist._values import DistributedValues
 from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
+from keras_dist._values._local_results import local_only
 from keras_dist._values._variables import DistributedVariable
 from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.config import _switches as _config
@@ -71,7 +72,7 @@ class _Program:
         new_state, outputs = GATE.call(serialize, self.compiled, values, dynamic)
         for variable, value in zip(state, new_state):
             _store_state(variable, value)
-        return _rebuild(self.out_treedef, self.out_layout, outputs)
+        return local_only(_rebuild(self.out_treedef, self.out_layout, outputs))
 
 
 def _traced(x) -> bool:

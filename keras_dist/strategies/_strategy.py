@@ -24,6 +24,7 @@ from keras_dist._input._host_arrays import to_host_arrays
 from keras_dist._input._host_arrays import warn_if_int64_narrowed
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._values import DistributedValues
+from keras_dist._values._local_results import LocalResults
 from keras_dist._values._variables import MirroredVariable
 from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.strategies._extended import StrategyExtended
@@ -115,6 +116,14 @@ class Strategy:
         any context.
         """
         if isinstance(value, DistributedValues):
+            extended = self._extended
+            traced = _context.current_function_trace() is not None
+            if traced and isinstance(extended, MeshRuntime) and extended.spans_processes:
+                # One program for every worker: it keeps every replica's component,
+                # and the function hands back this worker's (``LocalResults``).
+                return LocalResults(
+                    value.values, extended.first_local_replica_id, extended.num_local_replicas
+                )
             return value.values
         if isinstance(value, (MirroredVariable, SyncOnReadVariable)):
             return _variable_copies(value, self._extended.num_local_replicas)

@@ -738,3 +738,27 @@ def test_dataset_creator_builds_one_pipeline_per_worker():
     keras.utils.set_random_seed(0)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     np.testing.assert_allclose(chief["final"], _flat(model.get_weights()), atol=1e-5)
+
+
+def _local_results_in_function_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import jax.numpy as jnp
+
+    def replica_id():
+        return jnp.float32(kd.get_replica_context().replica_id_in_sync_group)
+
+    @kd.function
+    def step():
+        return {"local": strategy.experimental_local_results(strategy.run(replica_id))}
+
+    eager = strategy.experimental_local_results(strategy.run(replica_id))
+    return [float(x) for x in step()["local"]], [float(x) for x in eager]
+
+
+def test_local_results_inside_kd_function_are_this_workers():
+    # Before: each worker got all 4 replicas' components back from the function.
+    (compiled_0, eager_0), (compiled_1, eager_1) = _launch(
+        _local_results_in_function_worker, devices=2
+    )
+    assert compiled_0 == eager_0 == [0.0, 1.0]
+    assert compiled_1 == eager_1 == [2.0, 3.0]
