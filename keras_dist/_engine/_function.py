@@ -66,10 +66,13 @@ class _Program:
         state = [r() for r in self._state]
         values = [_state_value(v, self.extendeds) for v in state]
         copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
-        serialize = any(
-            isinstance(e, MeshRuntime) and e.placement.serializes for e in self.extendeds
-        )
-        new_state, outputs = GATE.call(serialize, self.compiled, values, dynamic)
+        mesh = next((e for e in self.extendeds if isinstance(e, MeshRuntime)), None)
+        if mesh is not None:
+            # As the strategy runs its programs: across processes under the peer
+            # watch, so that a lost worker is named instead of waited on forever.
+            new_state, outputs = mesh.placement.execute(self.compiled, values, dynamic)
+        else:
+            new_state, outputs = GATE.call(False, self.compiled, values, dynamic)
         for variable, value in zip(state, new_state):
             _store_state(variable, value)
         return local_only(_rebuild(self.out_treedef, self.out_layout, outputs))

@@ -195,7 +195,7 @@ def test_input_pipelines_across_two_workers_match_tf():
 
 
 # ------------------------------------------------------------------------------ failures
-def _loses_worker_1(how, timeout_seconds):
+def _loses_worker_1(how, timeout_seconds, loop="fit"):
     import os
     import time
 
@@ -223,19 +223,48 @@ def _loses_worker_1(how, timeout_seconds):
     x, y = np.ones((640, 3), "float32"), np.ones((640, 1), "float32")
     start = time.monotonic()
     try:
-        model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[LoseWorker1()])
+        if loop == "fit":
+            model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[LoseWorker1()])
+        else:
+            _custom_loop(strategy, model, x, y, LoseWorker1())
     except kd.errors.OpError as error:
         print(f"SURVIVOR {type(error).__name__} after {time.monotonic() - start:.1f} s: {error}")
         raise
     return "finished"
 
 
-def _run_losing_worker_1(how, timeout_seconds):
+def _custom_loop(strategy, model, x, y, callback):
+    """TF's custom loop: a ``kd.function`` step around ``strategy.run``."""
+    import keras
+
+    loss_fn = keras.losses.MeanSquaredError(reduction=None)
+
+    @kd.function
+    def step(batch):
+        def replica_step(inputs, targets):
+            def loss():
+                return kd.nn.compute_average_loss(loss_fn(targets, model(inputs)))
+
+            value, grads = kd.value_and_grad(loss, model.trainable_variables)()
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return value
+
+        return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)
+
+    batches = strategy.experimental_distribute_dataset(
+        [(x[i : i + 16], y[i : i + 16]) for i in range(0, len(x), 16)]
+    )
+    for index, batch in enumerate(batches):
+        step(batch)
+        callback.on_train_batch_end(index)
+
+
+def _run_losing_worker_1(how, timeout_seconds, loop="fit"):
     cluster = testing.create_cluster_spec(num_workers=2)
     with testing.MultiProcessRunner(
         _loses_worker_1,
         cluster,
-        args=(how, timeout_seconds),
+        args=(how, timeout_seconds, loop),
         devices_per_worker=1,
         stream_output=False,
         dependence_on_chief=False,
@@ -265,8 +294,9 @@ def test_a_killed_worker_makes_the_survivor_raise_naming_it():
     assert survivor_code == 1
 
 
-def test_a_stuck_worker_makes_the_survivor_raise_deadline_exceeded():
-    log, survivor_code, _ = _run_losing_worker_1("hangs", timeout_seconds=8)
+@pytest.mark.parametrize("loop", ["fit", "kd.function"])
+def test_a_stuck_worker_makes_the_survivor_raise_deadline_exceeded(loop):
+    log, survivor_code, _ = _run_losing_worker_1("hangs", timeout_seconds=8, loop=loop)
     assert "SURVIVOR DeadlineExceededError" in log, log
     assert "within 8 s: worker 1 did not reach it" in log
     assert 8 <= _seconds_until_error(log) < 30
