@@ -25,6 +25,7 @@ import keras_dist as kd
 from keras_dist import errors
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.parameter_server.rpc import _wire
+from keras_dist.parameter_server.rpc._auth import TOKEN_METADATA_KEY
 from keras_dist.parameter_server.rpc._transport import RpcClient
 from keras_dist.parameter_server.rpc._transport import RpcServer
 from keras_dist.parameter_server.variables._client import Location
@@ -113,6 +114,45 @@ def test_a_stranger_s_huge_request_is_refused_before_the_server_reads_it():
         assert _resident_mib() - before < 64  # not the 256 MiB it was sent
     finally:
         ps.stop()
+
+
+def test_oversized_and_damaged_requests_get_named_errors_and_the_server_serves_on(
+    monkeypatch,
+):
+    monkeypatch.setenv("KERAS_DIST_MAX_MESSAGE_BYTES", str(2**20))  # a 1 MiB cap
+    monkeypatch.setenv("KERAS_DIST_CLUSTER_TOKEN", "cap-test")
+    cluster = _cluster()
+    ps = kd.Server(cluster, job_name="ps", task_index=0)
+    client = RpcClient(cluster["ps"][0], name="/job:ps/replica:0/task:0")
+    try:
+        with pytest.raises(errors.InvalidArgumentError, match="KERAS_DIST_MAX_MESSAGE_BYTES"):
+            client.call({"op": "create", "keys": ["big"]}, [np.zeros(2**19)])  # 4 MiB
+        # A message cut short, and one that is not ours, from a caller with the token.
+        raw = grpc.insecure_channel(cluster["ps"][0]).unary_unary("/keras_dist.ps.Task/Call")
+        metadata = ((TOKEN_METADATA_KEY, "cap-test"),)
+        whole = _wire.encode({"op": "create", "keys": ["v"]}, [np.zeros(1000)])
+        for damaged in (whole[: len(whole) // 2], b"not a message at all"):
+            header, _, _ = _wire.decode(raw(damaged, timeout=10, metadata=metadata))
+            assert header["error"] == "InvalidArgumentError", header
+            assert "not a whole keras_dist message" in header["message"]
+        # The server serves on, and nothing was stored.
+        client.call({"op": "create", "keys": ["small"]}, [np.zeros(4)])
+        with pytest.raises(errors.NotFoundError):
+            client.call({"op": "read", "keys": ["big"]})
+    finally:
+        client.close()
+        ps.stop()
+
+
+def test_the_message_cap_is_checked():
+    from keras_dist.parameter_server.rpc._transport import max_message_bytes
+
+    os.environ["KERAS_DIST_MAX_MESSAGE_BYTES"] = "12"
+    try:
+        with pytest.raises(ValueError, match="from 1024 to 2147483647. Received: .*'12'"):
+            max_message_bytes()
+    finally:
+        del os.environ["KERAS_DIST_MAX_MESSAGE_BYTES"]
 
 
 class _SetsEnvironment:

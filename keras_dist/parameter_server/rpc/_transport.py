@@ -13,6 +13,7 @@ arrays travel as raw buffers.
 """
 
 import logging
+import os
 import threading
 
 import grpc
@@ -32,6 +33,30 @@ logger = logging.getLogger("keras_dist.ps")
 SERVICE = "keras_dist.ps.Task"
 METHOD = "Call"
 DEFAULT_TIMEOUT = 60.0
+
+# The largest request a task takes, in bytes (``KERAS_DIST_MAX_MESSAGE_BYTES``): a
+# step's gradients or a variable's value travel whole, so the default is gRPC's
+# own ceiling (2 GiB); lower it to bound what even an authenticated caller sends.
+MAX_MESSAGE_ENV = "KERAS_DIST_MAX_MESSAGE_BYTES"
+_GRPC_CEILING = 2**31 - 1
+
+
+def max_message_bytes() -> int:
+    """The request size cap of the servers this process starts (see ``MAX_MESSAGE_ENV``)."""
+    text = os.environ.get(MAX_MESSAGE_ENV)
+    if not text:
+        return _GRPC_CEILING
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1024 <= value <= _GRPC_CEILING:
+        raise ValueError(
+            f"{MAX_MESSAGE_ENV} must be a number of bytes from 1024 to {_GRPC_CEILING}. "
+            f"Received: {MAX_MESSAGE_ENV}={text!r}"
+        )
+    return value
+
 
 _OPTIONS = [
     ("grpc.max_send_message_length", -1),
@@ -124,7 +149,10 @@ class RpcServer:
     def start(self) -> None:
         """Binds ``address`` and starts serving."""
         executor = DaemonThreadPool(self._threads, f"kd-{self.name}")
-        server = grpc.server(executor, interceptors=(_TokenCheck(self),), options=_SERVER_OPTIONS)
+        self.max_message_bytes = max_message_bytes()
+        options = [o for o in _SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", self.max_message_bytes))
+        server = grpc.server(executor, interceptors=(_TokenCheck(self),), options=options)
         method = grpc.unary_unary_rpc_method_handler(self._call)
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {METHOD: method}),)
@@ -166,7 +194,14 @@ class RpcServer:
         # Only calls that carried the token get here (``_TokenCheck``): nothing a
         # stranger sends is decoded, let alone unpickled.
         try:
-            header, arrays, blob = _wire.decode(request)
+            try:
+                header, arrays, blob = _wire.decode(request)
+            except Exception as exc:  # noqa: BLE001 - any decoding failure: a damaged message
+                raise errors.InvalidArgumentError(
+                    f"{self.name} received a request that is not a whole keras_dist message "
+                    f"({len(request)} bytes): it was truncated or damaged on the way, or the "
+                    f"caller is not a keras_dist task of this version. Received: {exc}"
+                ) from None
             reply = self._handler(header, arrays, blob)
             # A handler may encode its reply itself (under its own lock, say).
             return reply if isinstance(reply, bytes) else _wire.encode(*reply)
@@ -259,6 +294,13 @@ class RpcClient:
             )
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return errors.UnauthenticatedError(f"The {what} was refused: {details}", (self.name,))
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return errors.InvalidArgumentError(
+                f"The {what} was refused: the request is larger than the task accepts. "
+                f"Raise {MAX_MESSAGE_ENV} on the serving task (its cap, in bytes), or send "
+                f"less at once. Received: {details}",
+                (self.name,),
+            )
         if code == grpc.StatusCode.CANCELLED:
             return errors.CancelledError(f"The {what} was cancelled. Received: {details}")
         return errors.UnavailableError(
