@@ -419,7 +419,9 @@ def _resumable_worker(directory, fail_at_batch, marker, preemptible=False):
             if task_id == 1 and self.seen == fail_at_batch and not os.path.exists(marker):
                 open(marker, "w").close()
                 if not preemptible:
-                    os._exit(13)  # killed mid-epoch, once
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGKILL)  # killed mid-epoch, once
             if preemptible and os.path.exists(marker):
                 time.sleep(0.2)  # leaves the test time to send SIGTERM mid-fit
 
@@ -460,6 +462,39 @@ def test_relaunch_after_a_lost_worker_resumes_to_the_uninterrupted_weights(
     np.testing.assert_array_equal(resumed[0], uninterrupted_weights)
     # Spec 67: the backup is removed once training succeeds.
     assert not os.path.exists(tmp_path / "b" / "backup" / "chief")
+
+
+_RESUMABLE_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from test_multi_worker import _resumable_worker
+weights = _resumable_worker({directory!r}, 14, {marker!r})
+np.save({directory!r} + "/final-" + str(__import__("os").getpid()) + ".npy", weights)
+"""
+
+
+def test_keras_dist_launch_max_restarts_resumes_a_sigkilled_worker(
+    tmp_path, uninterrupted_weights, capsys
+):
+    import os
+
+    from keras_dist._launch._cli import main as cli_main
+
+    script = tmp_path / "train.py"
+    marker = str(tmp_path / "worker1_killed")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    directory = str(tmp_path / "run")
+    os.makedirs(directory)
+    script.write_text(_RESUMABLE_SCRIPT.format(tests=tests, directory=directory, marker=marker))
+    code = cli_main(["launch", "--workers", "2", "--max-restarts", "1", str(script)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "killed by SIGKILL" in out and "restart 1 of 1" in out, out
+    finals = [np.load(os.path.join(directory, f)) for f in os.listdir(directory) if "final" in f]
+    assert len(finals) == 2
+    for weights in finals:
+        np.testing.assert_array_equal(weights, uninterrupted_weights)
 
 
 def test_sigterm_to_one_worker_saves_on_every_worker_and_the_rerun_resumes(
