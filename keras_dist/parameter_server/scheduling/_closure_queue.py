@@ -17,10 +17,12 @@ from keras_dist import errors
 
 
 def _cancelled(error: BaseException) -> errors.CancelledError:
-    return errors.CancelledError(
+    cancelled = errors.CancelledError(
         "The corresponding function is cancelled. Please reschedule the function. "
         f"Received: an earlier function's {type(error).__name__}: {error}"
     )
+    cancelled.__cause__ = error  # what stopped the functions (``fit`` raises that)
+    return cancelled
 
 
 class Closure:

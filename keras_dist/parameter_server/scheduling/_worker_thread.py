@@ -59,23 +59,32 @@ class WorkerThread:
 
     def _loop(self) -> None:
         while self._alive() and not self._queue.stopped:
-            self._run_next()
+            if self._run_next():
+                # Waited for here, not inside ``_run_next``: while the worker is
+                # away the thread holds nothing of the closures it gave back (a
+                # call keeps its variables, and so a dropped model, alive).
+                self._wait_until_back()
 
-    def _run_next(self) -> None:
+    def _run_next(self) -> bool:
+        """Runs the next closures; whether the worker was lost (its closures given back)."""
         # A method of its own: while the thread waits for the next closures, it
         # holds nothing of the last ones (a call keeps its variables alive).
         closures = self._queue.get_many(0.5, RUNS_PER_REQUEST, self._num_workers)
-        if closures:
-            values, error = self._run_many([closure.call for closure in closures])
-            # The queue sets each value, or the cancellation of an error that
-            # came while the closure ran, under its lock.
-            for closure, value in zip(closures, values):
-                self._queue.mark_finished(closure, value)
-            if error is not None:
-                self._failed(closures[len(values) :], error)
+        if not closures:
+            return False
+        values, error = self._run_many([closure.call for closure in closures])
+        # The queue sets each value, or the cancellation of an error that
+        # came while the closure ran, under its lock.
+        for closure, value in zip(closures, values):
+            self._queue.mark_finished(closure, value)
+        return error is not None and self._failed(closures[len(values) :], error)
 
-    def _failed(self, closures, error) -> None:
-        """``closures[0]`` failed with ``error``; the others did not run."""
+    def _failed(self, closures, error) -> bool:
+        """``closures[0]`` failed with ``error``; the others did not run.
+
+        Returns whether the worker was lost: its closures then went back to the
+        queue, and the caller waits until the worker answers again.
+        """
         if (
             isinstance(error, errors.OpError)
             and error.lost_tasks == (self.name,)
@@ -85,8 +94,7 @@ class WorkerThread:
             # finished before it was lost are not applied again (their run ids).
             for closure in reversed(closures):
                 self._queue.put_back(closure)
-            self._wait_until_back()
-            return
+            return True
         if isinstance(error, errors.OpError) and _ps_tasks(error):
             error = errors.UnavailableError(
                 f"Parameter server {', '.join(_ps_tasks(error))} is unavailable: {error.message}",
@@ -95,6 +103,7 @@ class WorkerThread:
         self._queue.mark_failed(closures[0], error)
         for closure in closures[1:]:
             self._queue.put_back(closure)  # cancelled by that error, as TF's queue does
+        return False
 
     def _wait_until_back(self) -> None:
         """Probes the worker until it answers; it then gets everything sent again."""
