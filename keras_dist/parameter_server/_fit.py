@@ -32,6 +32,7 @@ from keras_dist._keras import step_state
 from keras_dist.parameter_server._data import FromWorkers
 from keras_dist.parameter_server.scheduling._between_graph import LocalScheduler
 from keras_dist.parameter_server.scheduling._cluster_coordinator import ClusterCoordinator
+from keras_dist.parameter_server.scheduling._remote_value import raisable
 
 
 def _write_state(groups, old_state, new_state) -> None:
@@ -64,7 +65,7 @@ def _fetch(remote_value):
         return remote_value.fetch()
     except errors.CancelledError as cancelled:
         if isinstance(cancelled.__cause__, errors.OpError):
-            raise cancelled.__cause__ from None
+            raise raisable(cancelled.__cause__) from None  # the original stays kept
         raise
 
 
@@ -134,10 +135,14 @@ class ParameterServerSteps:
                 self._pending.append(self.coordinator.schedule(steps[0], args=(batch,)))
         # Enough steps queued to keep every worker busy; older ones are waited for.
         limit = 2 * self.strategy.extended.num_workers
-        while len(self._pending) > limit or (self._last_logs is None and self._pending):
-            self._last_logs = _fetch(self._pending.pop(0))
-        while self._pending and self._pending[0].done:
-            self._last_logs = _fetch(self._pending.pop(0))
+        try:
+            while len(self._pending) > limit or (self._last_logs is None and self._pending):
+                self._last_logs = _fetch(self._pending.pop(0))
+            while self._pending and self._pending[0].done:
+                self._last_logs = _fetch(self._pending.pop(0))
+        except errors.OpError:
+            self._pending.clear()  # the failed fit's steps: nothing waits for them now
+            raise
         return self._last_logs
 
     def _per_worker_iterator(self, creator):

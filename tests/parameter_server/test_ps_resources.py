@@ -43,7 +43,7 @@ def test_build_fit_delete_rounds_keep_models_ps_keys_and_worker_programs_flat():
     rng = np.random.default_rng(0)
     x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 3, 64)
     rounds = []
-    for _ in range(6):
+    for _ in range(8):
         with strategy.scope():
             model = keras.Sequential(
                 [
@@ -81,4 +81,6 @@ def test_build_fit_delete_rounds_keep_models_ps_keys_and_worker_programs_flat():
     # The coordinator forgets a freed program once no worker holds it.
     assert max(dropped) <= 1, rounds
     assert max(arrays[2:]) <= 1.2 * max(arrays[1], 1), rounds
-    assert max(threads[2:]) <= threads[1], rounds
+    # A thread pool may start one more thread when it first runs two requests at
+    # once; a thread kept per round would add 6 over these rounds.
+    assert threads[-1] - threads[1] <= 1, rounds

@@ -12,8 +12,10 @@ error comes cannot slip its value out.
 
 import collections
 import threading
+import traceback
 
 from keras_dist import errors
+from keras_dist.parameter_server.scheduling._remote_value import raisable
 
 
 def _cancelled(error: BaseException) -> errors.CancelledError:
@@ -23,6 +25,15 @@ def _cancelled(error: BaseException) -> errors.CancelledError:
     )
     cancelled.__cause__ = error  # what stopped the functions (``fit`` raises that)
     return cancelled
+
+
+def _without_locals(error: BaseException) -> None:
+    """Drops the local variables of ``error``'s traceback (its lines stay).
+
+    The error may be kept long (until ``join``, or for good when nobody asks):
+    its frames would keep the failed calls, their variables and a dropped model.
+    """
+    traceback.clear_frames(error.__traceback__)
 
 
 class Closure:
@@ -113,6 +124,7 @@ class ClosureQueue:
 
     def mark_failed(self, closure, error: BaseException) -> None:
         """A closure failed: keep its error and cancel what is queued and running."""
+        _without_locals(error)
         with self._condition:
             cancelled = self._done_with(closure)
             if cancelled is None:
@@ -124,6 +136,7 @@ class ClosureQueue:
 
     def set_error(self, error: BaseException) -> None:
         """An error outside any closure (a lost ps task)."""
+        _without_locals(error)
         with self._condition:
             self._set_error_locked(error)
             self._condition.notify_all()
@@ -139,7 +152,7 @@ class ClosureQueue:
     def _raise_error_locked(self):
         if self._error is not None:
             error, self._error = self._error, None
-            raise error
+            raise raisable(error)
 
     def wait(self, timeout: "float | None" = None) -> None:
         """Blocks until nothing is queued or running; raises (then clears) the first error."""

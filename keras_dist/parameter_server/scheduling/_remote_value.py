@@ -1,10 +1,23 @@
 """``RemoteValue``: the result of a scheduled function, filled in when it has run."""
 
+import copy
 import threading
 
 import jax
 
 from keras_dist import errors
+
+
+def raisable(error: BaseException) -> BaseException:
+    """A copy of a kept ``error`` to raise, with its cause.
+
+    Raising an exception adds the frames it passes through to its traceback:
+    raised itself, a kept error would keep the caller's frames (and a model
+    in them) alive as long as the coordinator keeps the error.
+    """
+    fresh = copy.copy(error).with_traceback(None)
+    fresh.__cause__ = error.__cause__
+    return fresh
 
 
 class RemoteValue:
@@ -61,7 +74,7 @@ class RemoteValue:
                 f"Received: timeout={timeout}"
             )
         if self._error is not None:
-            raise self._error
+            raise raisable(self._error)
 
     def fetch(self, timeout: "float | None" = None):
         """Waits for the result and returns it with NumPy arrays (``timeout`` in seconds)."""
