@@ -42,6 +42,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from _jit_baseline import keras_mlp  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
 
@@ -58,22 +59,7 @@ def hidden_for(millions: float) -> int:
 
 
 def build(hidden):
-    import keras
-
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(hidden, activation="relu"),
-            keras.layers.Dense(hidden, activation="relu"),
-            keras.layers.Dense(CLASSES),
-        ]
-    )
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
+    return keras_mlp(FEATURES, hidden, CLASSES, learning_rate=0.01, momentum=0.9)
 
 
 def fit_runner(strategy, hidden, x, y):

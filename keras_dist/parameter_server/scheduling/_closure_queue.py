@@ -2,12 +2,12 @@
 
 As TF's ``CoordinatedClosureQueue``: ``schedule`` puts, each worker's thread
 gets, and a closure whose worker was lost is put back at the front, to run on
-another worker (at least once). The first error of a closure is kept until
-``join`` (or the next ``schedule``) raises it; the closures still queued and
-those then running on other workers are cancelled, as TF's ``mark_failed``
-cancels both: their ``RemoteValue`` raises ``CancelledError``. A closure's
-result is set under the queue's lock, so that a closure finishing as the
-error comes cannot slip its value out.
+another worker (a ps task applies each call's writes once: ``run_id``). The
+first error of a closure is kept until ``join`` (or the next ``schedule``)
+raises it; the closures still queued and those then running on other workers
+are cancelled, as TF's ``mark_failed`` cancels both: their ``RemoteValue``
+raises ``CancelledError``. A closure's result is set under the queue's lock,
+so that a closure finishing as the error comes cannot slip its value out.
 """
 
 import collections
