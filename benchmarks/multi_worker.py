@@ -14,6 +14,14 @@ In one invocation, on the same machine, the same model, data and global batch:
 
 Prints one line: the throughputs (median of the repeats, timed inside the workers)
 and the ratio (a) / (b), then (a) against (c).
+
+    python benchmarks/multi_worker.py --collectives [--sizes 4096,2800000,67108864]
+
+measures the collective alone instead, on the same 2 processes: per array size
+(bytes of float32), a hand-written ``jax.jit(shard_map(psum))`` on the 2-process
+mesh against keras_dist's ``strategy.reduce("SUM", ...)`` and ``strategy.run`` with
+``all_reduce`` of the same per-replica value; one line with the milliseconds per
+call (median) and the ratios to the psum.
 """
 
 import argparse
@@ -126,12 +134,93 @@ def measure_jit(batch, steps, repeats):
     return epoch_rates(epoch, steps, repeats)
 
 
+def measure_collectives(sizes, calls):
+    """Runs in each worker: ms per call of psum, ``reduce`` and ``run`` + ``all_reduce``."""
+    import time
+
+    import keras_dist as kd
+
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("replica",))
+    split = NamedSharding(mesh, P("replica"))
+    psum = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.psum(x, "replica"), mesh=mesh, in_specs=P("replica"), out_specs=P()
+        )
+    )
+
+    def all_reduce(x):
+        return kd.get_replica_context().all_reduce("SUM", x)
+
+    def timed(fn):
+        jax.block_until_ready(fn())  # compile
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    results = []
+    for size in sizes:
+        n = size // 4
+        local = np.full((1, n), float(jax.process_index() + 1), np.float32)
+        stacked = jax.make_array_from_process_local_data(split, local, (jax.process_count(), n))
+        value = strategy.experimental_distribute_values_from_function(
+            lambda context, n=n: np.full((n,), context.replica_id_in_sync_group + 1.0, "f4")
+        )
+        raw = timed(lambda stacked=stacked: psum(stacked))
+        reduce = timed(lambda value=value: strategy.reduce("SUM", value, axis=None))
+        run = timed(
+            lambda value=value: strategy.experimental_local_results(
+                strategy.run(all_reduce, args=(value,))
+            )
+        )
+        results.append((size, raw, reduce, run))
+    return results
+
+
+def collectives_line(sizes, calls):
+    """Launches 2 processes of one device each; the line for the chief's timings."""
+    results = kd.launch(
+        measure_collectives,
+        num_workers=2,
+        devices_per_worker=1,
+        args=(sizes, calls),
+        stream_output=False,
+        timeout=900,
+    )[0]
+    parts = []
+    for size, raw, reduce, run in results:
+        label = f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 1024:.0f} KB"
+        parts.append(
+            f"{label}: psum {raw:.2f} ms, kd reduce {reduce:.2f} ms ({reduce / raw:.2f}x), "
+            f"run+all_reduce {run:.2f} ms ({run / raw:.2f}x)"
+        )
+    return (
+        "multi_worker collectives (2 processes x 1 cpu device, gloo; target <= 1.15x): "
+        + "; ".join(parts)
+        + f" [median of {calls} calls]"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=256, help="global batch size")
     parser.add_argument("--steps", type=int, default=100, help="steps per epoch")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--collectives", action="store_true", help="time the collective alone")
+    parser.add_argument("--sizes", default="4096,2800000,67108864", help="bytes per array")
+    parser.add_argument("--calls", type=int, default=30, help="timed calls per size")
     args = parser.parse_args()
+    if args.collectives:
+        print(collectives_line([int(s) for s in args.sizes.split(",")], args.calls))
+        return
     work = (args.batch, args.steps, args.repeats)
 
     def chief_rates(fn, workers, devices, *fn_args):

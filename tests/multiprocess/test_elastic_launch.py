@@ -118,17 +118,23 @@ def test_a_worker_gone_for_good_leaves_the_job_on_two_workers(tmp_path, capsys):
     assert history.history["loss"][-1] < 0.2 * history.history["loss"][0]
 
 
-def test_the_job_fails_when_fewer_than_min_workers_would_remain(tmp_path):
-    # min_workers=3: the gone machine cannot be left out, and the restarts run out.
+def _machine_2_is_broken():
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    if task["index"] == 2:
+        os._exit(17)
+    return task["index"]
+
+
+def test_the_job_fails_when_fewer_than_min_workers_would_remain():
+    # min_workers=3: the broken machine cannot be left out, and the restarts run out.
     with pytest.raises(kd.testing.UnexpectedSubprocessExitError, match="worker 2"):
         kd.launch(
-            _elastic_worker,
+            _machine_2_is_broken,
             num_workers=3,
             min_workers=3,
             max_restarts=1,
-            args=(str(tmp_path),),
-            timeout=200,
-            failure_grace=5,
+            timeout=60,
+            failure_grace=1,
             stream_output=False,
         )
 
