@@ -39,6 +39,7 @@ from keras_dist._keras import pending_variables
 from keras_dist._values import DistributedValues
 from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
+from keras_dist._values._local_results import LocalResults
 from keras_dist._values._local_results import local_only
 from keras_dist._values._variables import DistributedVariable
 from keras_dist._values._variables import SyncOnReadVariable
@@ -55,7 +56,8 @@ class _Program:
         self.lowered = lowered  # kept for inspection: tests count collectives in it
         self._state = [weakref.ref(v) for v in state]
         self.extendeds = extendeds
-        self.out_treedef, self.out_layout = out_record
+        # ``cut_to_local``: the outputs hold ``LocalResults`` (only across processes).
+        self.out_treedef, self.out_layout, self.cut_to_local = out_record
         self.versions = versions
 
     def current(self) -> bool:
@@ -75,7 +77,8 @@ class _Program:
             new_state, outputs = GATE.call(False, self.compiled, values, dynamic)
         for variable, value in zip(state, new_state):
             _store_state(variable, value)
-        return local_only(_rebuild(self.out_treedef, self.out_layout, outputs))
+        outputs = _rebuild(self.out_treedef, self.out_layout, outputs)
+        return local_only(outputs) if self.cut_to_local else outputs
 
 
 def _traced(x) -> bool:
@@ -141,7 +144,9 @@ def _flatten_outputs(outputs):
             layout.append(_ARRAY)
         else:
             layout.append(leaf)
-    return arrays, (treedef, layout)
+    nodes = jax.tree_util.tree_leaves(outputs, is_leaf=lambda x: isinstance(x, LocalResults))
+    cut_to_local = any(isinstance(x, LocalResults) for x in nodes)
+    return arrays, (treedef, layout, cut_to_local)
 
 
 def _rebuild(treedef, layout, arrays):
