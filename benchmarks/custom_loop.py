@@ -21,6 +21,8 @@ import statistics
 import sys
 import time
 
+from _platform import simulate_cpu_devices
+
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--devices", type=int, default=4)
 parser.add_argument("--batch", type=int, default=64, help="global batch size")
@@ -28,7 +30,7 @@ parser.add_argument("--steps", type=int, default=200, help="steps per timed repe
 parser.add_argument("--repeats", type=int, default=7)
 parser.add_argument("--function", action="store_true", help="the step as one @kd.function")
 args = parser.parse_args()
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+simulate_cpu_devices(args.devices)
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
@@ -80,11 +82,12 @@ def jit_runner(devices, batches, initial_weights):
 
     compiled = mlp_train_step(mesh, global_batch, LEARNING_RATE, MOMENTUM)
     state = {"params": params, "momentum": momentum}
+    serialize = len(devices) > 1 and devices[0].platform == "cpu"
 
     def run(steps):
         loss = None
         for i in range(steps):
-            if loss is not None:
+            if loss is not None and serialize:
                 loss.block_until_ready()  # one collective execution in flight on CPU
             x, y = data[i % len(data)]
             state["params"], state["momentum"], loss = compiled(

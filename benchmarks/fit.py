@@ -19,13 +19,15 @@ import os
 import statistics
 import time
 
+from _platform import simulate_cpu_devices
+
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--devices", type=int, default=4)
 parser.add_argument("--batch", type=int, default=256, help="global batch size")
 parser.add_argument("--steps", type=int, default=100, help="steps per epoch")
 parser.add_argument("--repeats", type=int, default=5)
 args = parser.parse_args()
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+simulate_cpu_devices(args.devices)
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
@@ -69,13 +71,14 @@ def jit_loop(devices, x, y, initial_weights):
     global_batch = args.batch
 
     compiled = mlp_train_step(mesh, global_batch, LEARNING_RATE, MOMENTUM)
+    serialize = len(devices) > 1 and devices[0].platform == "cpu"
 
     def run():
         loss = None
         for start in range(0, len(x), global_batch):
             xb = jax.device_put(x[start : start + global_batch], split)
             yb = jax.device_put(y[start : start + global_batch], split)
-            if loss is not None:
+            if loss is not None and serialize:
                 loss.block_until_ready()
             state["params"], state["momentum"], loss = compiled(
                 state["params"], state["momentum"], xb, yb

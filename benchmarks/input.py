@@ -18,13 +18,15 @@ import os
 import statistics
 import time
 
+from _platform import simulate_cpu_devices
+
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--devices", type=int, default=4)
 parser.add_argument("--batch", type=int, default=256, help="global batch size")
 parser.add_argument("--steps", type=int, default=40, help="batches per epoch")
 parser.add_argument("--repeats", type=int, default=5)
 args = parser.parse_args()
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+simulate_cpu_devices(args.devices)
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import keras  # noqa: E402

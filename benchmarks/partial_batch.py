@@ -20,12 +20,14 @@ import statistics
 import sys
 import time
 
+from _platform import simulate_cpu_devices
+
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--devices", type=int, default=4)
 parser.add_argument("--rows", type=int, default=178, help="rows of the partial batch")
 parser.add_argument("--repeats", type=int, default=5)
 args = parser.parse_args()
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+simulate_cpu_devices(args.devices)
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 

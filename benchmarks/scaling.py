@@ -25,6 +25,8 @@ import os
 import statistics
 import time
 
+from _platform import simulate_cpu_devices
+
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--replicas", default="1,2,4,8")
 parser.add_argument("--params", default="0.1,1,10,50", help="model sizes, millions")
@@ -37,7 +39,7 @@ REPLICAS = [int(r) for r in args.replicas.split(",")]
 SIZES = [float(p) for p in args.params.split(",")]
 # Simulated CPU devices for a machine without accelerators (the flag only touches
 # the host platform: on a GPU machine jax.devices() are the GPUs).
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(REPLICAS)}")
+simulate_cpu_devices(max(REPLICAS))
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
