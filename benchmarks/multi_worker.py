@@ -157,14 +157,21 @@ def measure_collectives(sizes, calls):
     def all_reduce(x):
         return kd.get_replica_context().all_reduce("SUM", x)
 
-    def timed(fn):
-        jax.block_until_ready(fn())  # compile
-        times = []
+    def timed(variants):
+        """Median ms per call of each variant, called in turn in shuffled order (the same noise)."""
+        for fn in variants:
+            jax.block_until_ready(fn())  # compile
+        times = [[] for _ in variants]
+        # A new order each round, the same in every process (their collectives must match).
+        order = np.random.default_rng(0)
         for _ in range(calls):
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+            for i in order.permutation(len(variants)):
+                start = time.perf_counter()
+                jax.block_until_ready(variants[i]())
+                times[i].append((time.perf_counter() - start) * 1e3)
+        # Medians of the times, and of each call's time over the psum's in the same round.
+        ratios = [statistics.median(a / b for a, b in zip(t, times[0])) for t in times[1:]]
+        return [statistics.median(t) for t in times], ratios
 
     results = []
     for size in sizes:
@@ -174,14 +181,16 @@ def measure_collectives(sizes, calls):
         value = strategy.experimental_distribute_values_from_function(
             lambda context, n=n: np.full((n,), context.replica_id_in_sync_group + 1.0, "f4")
         )
-        raw = timed(lambda stacked=stacked: psum(stacked))
-        reduce = timed(lambda value=value: strategy.reduce("SUM", value, axis=None))
-        run = timed(
-            lambda value=value: strategy.experimental_local_results(
-                strategy.run(all_reduce, args=(value,))
-            )
+        (raw, reduce, run), ratios = timed(
+            [
+                lambda stacked=stacked: psum(stacked),
+                lambda value=value: strategy.reduce("SUM", value, axis=None),
+                lambda value=value: strategy.experimental_local_results(
+                    strategy.run(all_reduce, args=(value,))
+                ),
+            ]
         )
-        results.append((size, raw, reduce, run))
+        results.append((size, raw, reduce, run, ratios))
     return results
 
 
@@ -196,16 +205,16 @@ def collectives_line(sizes, calls):
         timeout=900,
     )[0]
     parts = []
-    for size, raw, reduce, run in results:
+    for size, raw, reduce, run, (reduce_ratio, run_ratio) in results:
         label = f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size / 1024:.0f} KB"
         parts.append(
-            f"{label}: psum {raw:.2f} ms, kd reduce {reduce:.2f} ms ({reduce / raw:.2f}x), "
-            f"run+all_reduce {run:.2f} ms ({run / raw:.2f}x)"
+            f"{label}: psum {raw:.2f} ms, kd reduce {reduce:.2f} ms ({reduce_ratio:.2f}x), "
+            f"run+all_reduce {run:.2f} ms ({run_ratio:.2f}x)"
         )
     return (
         "multi_worker collectives (2 processes x 1 cpu device, gloo; target <= 1.15x): "
         + "; ".join(parts)
-        + f" [median of {calls} calls]"
+        + f" [medians of {calls} rounds of the three in shuffled turn; ratios: medians of each round's]"
     )
 
 
@@ -216,7 +225,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--collectives", action="store_true", help="time the collective alone")
     parser.add_argument("--sizes", default="4096,2800000,67108864", help="bytes per array")
-    parser.add_argument("--calls", type=int, default=30, help="timed calls per size")
+    parser.add_argument("--calls", type=int, default=60, help="timed calls per size")
     args = parser.parse_args()
     if args.collectives:
         print(collectives_line([int(s) for s in args.sizes.split(",")], args.calls))

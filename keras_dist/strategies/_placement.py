@@ -162,7 +162,11 @@ class Placement:
             return stacked  # host batch: the compiled step places it (see _input)
         if stacked is not None and stacked.sharding == self.split:
             return stacked
-        return self.stack_components(value.values)
+        stacked = self.stack_components(value.values)
+        if all(isinstance(c, jax.Array) for c in jax.tree_util.tree_leaves(value.values)):
+            # Immutable components: the next call with this value skips the copies.
+            value.cache_stacked(stacked)
+        return stacked
 
     def first_component(self, stacked):
         """Replica 0's component of a stacked array, replicated."""
