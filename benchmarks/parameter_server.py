@@ -16,6 +16,12 @@ In one invocation, on this machine: an MLP 784-512-512-10 with SGD, per-worker b
 
 Prints one line: the rates (steps/s, totals over the workers; median of the repeats) and
 keras_dist / baseline.
+
+    python benchmarks/parameter_server.py --scaling [--steps 100] [--repeats 1]
+
+prints instead keras_dist's rate for 1, 2 and 4 workers and 1 and 2 ps tasks (a Markdown
+table: steps/s, microseconds per step, and what a step costs over the one-process jitted
+step), then one summary line.
 """
 
 import argparse
@@ -159,12 +165,12 @@ def baseline_rate(steps, workers=2):
 
 
 # ----------------------------------------------------------------- (a) keras_dist
-def keras_dist_rates(steps, repeats, workers=2):
+def keras_dist_rates(steps, repeats, workers=2, num_ps=1):
     import keras_dist as kd  # first: it selects Keras's JAX backend
 
     import keras  # isort: skip
 
-    cluster = kd.testing.create_multi_process_cluster(num_workers=workers, num_ps=1)
+    cluster = kd.testing.create_multi_process_cluster(num_workers=workers, num_ps=num_ps)
     try:
         strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
         coordinator = kd.coordinator.ClusterCoordinator(strategy)
@@ -229,11 +235,41 @@ def jit_rate(steps):
     return steps / (time.perf_counter() - began)
 
 
+def scaling(steps, repeats):
+    """A table and a line: keras_dist's rate for 1, 2, 4 workers and 1, 2 ps."""
+    limit = jit_rate(steps)
+    rows = []
+    for num_ps in (1, 2):
+        for workers in (1, 2, 4):
+            rate = statistics.median(keras_dist_rates(steps, repeats, workers, num_ps))
+            rows.append((workers, num_ps, rate))
+            print(f"  measured {workers} workers, {num_ps} ps", flush=True)
+    print()
+    print("| workers | ps | steps/s (all workers) | µs per step | over one process's step µs |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for workers, num_ps, rate in rows:
+        print(
+            f"| {workers} | {num_ps} | {rate:.0f} | {1e6 / rate:.0f} | "
+            f"{1e6 / rate - 1e6 / limit:.0f} |"
+        )
+    best = max(rows, key=lambda row: row[2])
+    print(
+        f"parameter_server scaling: {min(r[2] for r in rows):.0f} to {max(r[2] for r in rows):.0f} "
+        f"steps/s over 1-4 workers x 1-2 ps (best: {best[0]} workers, {best[1]} ps); one-process "
+        f"jitted step {limit:.0f} steps/s [cpu, MLP 784-512-512-10, SGD, per-worker batch "
+        f"{BATCH}, median of {repeats} x {steps} steps]"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200, help="steps per timing, all workers")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scaling", action="store_true", help="1, 2, 4 workers x 1, 2 ps")
     args = parser.parse_args()
+    if args.scaling:
+        scaling(args.steps, args.repeats)
+        return
     ours = statistics.median(keras_dist_rates(args.steps, args.repeats))
     baseline = statistics.median(baseline_rate(args.steps) for _ in range(args.repeats))
     limit = jit_rate(args.steps)

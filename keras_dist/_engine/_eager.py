@@ -58,7 +58,7 @@ class _ReplicaThread(threading.Thread):
             return
         strategy = self.engine.strategy
         replica = self.engine.replica_engine(self)
-        replica_id = strategy.extended.first_local_replica_id + self.index
+        replica_id = self.engine.replica_id(self.index)
         context = ReplicaContext(strategy, replica_id, _engine=replica, _eager_index=self.index)
         try:
             with _context.push(_context.Frame(strategy, context, engine=replica)):
@@ -189,11 +189,11 @@ class EagerEngine:
 
     def run_threads(self, fn, per_replica) -> list:
         """Runs ``fn`` on one thread per ``(args, kwargs)`` of ``per_replica``; their results."""
-        extended = self._extended
-        strategy = extended.container_strategy
+        strategy = self._extended.container_strategy
         threads = []
-        created = [[] for _ in extended.local_devices]
-        for index, device in enumerate(extended.local_devices):
+        devices = self.thread_devices()
+        created = [[] for _ in devices]
+        for index, device in enumerate(devices):
             local_args, local_kwargs = per_replica[index]
             threads.append(
                 _ReplicaThread(self, index, device, fn, local_args, local_kwargs, created)
@@ -214,8 +214,16 @@ class EagerEngine:
                 raise thread.error
         return [thread.result for thread in threads]
 
-    # What a subclass may change: how a replica thread runs and how a merge
-    # sees the replicas' values.
+    # What a subclass may change: which replicas run, how a replica thread runs
+    # and how a merge sees the replicas' values.
+    def thread_devices(self) -> list:
+        """One device per replica thread: this process's replicas'."""
+        return list(self._extended.local_devices)
+
+    def replica_id(self, index: int) -> int:
+        """The ``replica_id_in_sync_group`` of replica thread ``index``."""
+        return self._extended.first_local_replica_id + index
+
     def replica_engine(self, thread) -> ReplicaEngine:
         """The ``ReplicaEngine`` a replica thread's context talks to."""
         return EagerReplica(thread)

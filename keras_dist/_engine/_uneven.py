@@ -18,8 +18,14 @@ the step as it is, into one program on the first replica's device:
 Programs are cached per input signature like the compiled engine's, so a
 partial batch costs one compile, then one dispatch per call. The program runs
 on one device: its replicas' work is not spread over the devices, which matters
-little for one batch per epoch. Across processes the eager engine runs it,
-since one process's program cannot hold the other workers' replicas.
+little for one batch per epoch.
+
+Across processes one process's program cannot reach the other workers'
+replicas, so every process runs them all: the per-replica inputs (their shapes
+may differ between workers) and the SyncOnRead components are gathered from
+every process first, every process runs the same program over every replica
+(its collectives are sums inside the program, the variables are the same
+everywhere), and each keeps its own replicas' outputs and components.
 """
 
 import contextlib
@@ -27,6 +33,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import set_current_trace
 from jax.extend.core import take_current_trace
 
@@ -83,6 +90,20 @@ class _Program:
         return groups
 
 
+class _Replicas:
+    """The replicas a program runs: this process's, or every process's (across processes)."""
+
+    def __init__(self, extended):
+        local = extended.num_local_replicas
+        first = extended.first_local_replica_id
+        self.every_process = extended.spans_processes
+        if self.every_process:
+            self.count, self.first_id = extended.num_replicas_in_sync, 0
+            self.local = slice(first, first + local)  # this process's among them
+        else:
+            self.count, self.first_id, self.local = local, first, slice(0, local)
+
+
 class UnevenEngine(EagerEngine):
     """Runs a replica function whose per-replica inputs differ in shape, compiled."""
 
@@ -93,15 +114,17 @@ class UnevenEngine(EagerEngine):
         self._foreign: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._retraces = RetraceMonitor()
         self._tracing = None  # the `_Trace` while a program is traced
+        self._replicas = None  # the `_Replicas` of the call being run
         self.trace_count = 0
 
     # --------------------------------------------------------------- calling
     def run(self, fn, args, kwargs):
         extended = self._extended
+        self._replicas = _Replicas(extended)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_input_leaf)
         kinds, dynamic, signature, statics = sort_inputs(
             leaves,
-            per_replica=lambda x: [self._on_first_device(c) for c in x.values],
+            per_replica=lambda x: [self._on_first_device(c) for c in self._every_component(x)],
             one_value=lambda x: self._on_first_device(extended.unwrap_mirrored(x)),
         )
         function_key, _, key = program_key(fn, treedef, statics, signature, extended, self._foreign)
@@ -130,23 +153,58 @@ class UnevenEngine(EagerEngine):
             return on_device(x, device)
         return jax.device_put(x if isinstance(x, jax.Array) else jnp.asarray(x), device)
 
+    def _every_component(self, value) -> list:
+        """A per-replica input's components for the program: every process's, if it spans them.
+
+        Workers' components may differ in shape (the last batch): each is padded
+        to the largest, gathered, and cut back to its own shape.
+        """
+        if not self._replicas.every_process:
+            return list(value.values)
+        placement = self._extended.placement
+        local = [np.asarray(c) for c in value.values]
+        rank = local[0].ndim
+        shapes = np.array([c.shape for c in local], np.int32).reshape(len(local), rank)
+        shapes = np.asarray(placement.all_rows(placement.put_local_rows(shapes)))
+        padded = np.zeros((len(local),) + tuple(shapes.max(axis=0)), local[0].dtype)
+        for row, component in zip(padded, local):
+            row[tuple(slice(0, n) for n in component.shape)] = component
+        rows = np.asarray(placement.all_rows(placement.put_local_rows(padded)))
+        return [row[tuple(slice(0, n) for n in shape)] for row, shape in zip(rows, shapes)]
+
+    def _sync_on_read_components(self, variable) -> list:
+        """A SyncOnRead variable's components for the program (every process's, if it spans)."""
+        if not self._replicas.every_process:
+            return list(variable.local_components())
+        every = self._extended.placement.all_rows(variable.stored())
+        return [every[i] for i in range(every.shape[0])]
+
+    def _program_inputs(self, mirrored, sync_on_read, foreign) -> list:
+        """The variables' values as the program takes them, on the first local device."""
+        return [
+            [self._on_first_device(v.component(0)) for v in mirrored],
+            [
+                [self._on_first_device(c) for c in self._sync_on_read_components(v)]
+                for v in sync_on_read
+            ],
+            [self._on_first_device(v.value) for v in foreign],
+        ]
+
     def _call(self, program, variables, dynamic):
         extended = self._extended
         mirrored, sync_on_read, foreign = variables
         new_mirrored, new_components, outputs = program.compiled(
-            [self._on_first_device(v.component(0)) for v in mirrored],
-            [[self._on_first_device(c) for c in v.local_components()] for v in sync_on_read],
-            [self._on_first_device(v.value) for v in foreign],
-            dynamic,
+            *self._program_inputs(mirrored, sync_on_read, foreign), dynamic
         )
+        local = self._replicas.local
         for variable, value in zip(mirrored, new_mirrored):
             extended.store_computed(variable, extended.placement.replicate(value))
         for variable, components in zip(sync_on_read, new_components):
-            variable.store(extended.placement.stack_components(components))
-        return self._assemble(program.out_record, outputs)
+            variable.store(extended.placement.stack_components(components[local]))
+        return self._assemble(program.out_record, outputs[local])
 
     def _assemble(self, out_record, outputs):
-        """The replicas' outputs as the compiled engine gives them: arrays per replica."""
+        """This process's replicas' outputs as the compiled engine gives them."""
         treedef, layout = out_record
         devices = self._extended.local_devices
         columns = iter(zip(*outputs)) if outputs and outputs[0] else iter(())
@@ -176,10 +234,7 @@ class UnevenEngine(EagerEngine):
                 fn, treedef, leaves, kinds, (mirrored, sync_on_read, foreign), record
             )
             traced = jax.jit(program).trace(
-                [self._on_first_device(v.component(0)) for v in mirrored],
-                [[self._on_first_device(c) for c in v.local_components()] for v in sync_on_read],
-                [self._on_first_device(v.value) for v in foreign],
-                dynamic,
+                *self._program_inputs(mirrored, sync_on_read, foreign), dynamic
             )
             if not absorb_discoveries(strategy, list(record.unmapped.values()), self._foreign):
                 break
@@ -197,7 +252,7 @@ class UnevenEngine(EagerEngine):
         """The traced function: the replicas on threads, sharing its trace and ``record``."""
         extended = self._extended
         mirrored, sync_on_read, foreign = variables
-        n = extended.num_local_replicas
+        n = self._replicas.count
 
         def program(mirrored_values, sync_on_read_components, foreign_values, dynamic_values):
             self.trace_count += 1
@@ -237,6 +292,12 @@ class UnevenEngine(EagerEngine):
         return program
 
     # ------------------------------------------ the eager engine's hooks, traced
+    def thread_devices(self) -> list:
+        return [self._extended.local_devices[0]] * self._replicas.count  # one program
+
+    def replica_id(self, index: int) -> int:
+        return self._replicas.first_id + index
+
     def replica_engine(self, thread):
         return _UnevenReplica(thread, self._tracing.jax_trace)
 

@@ -104,7 +104,7 @@ class CrossReplica(ReplicaCopies):
     def __init__(self, extended, replica_values: list):
         self._extended = extended
         self._replicas = replica_values
-        self.num_replicas = extended.num_local_replicas
+        self.num_replicas = len(replica_values)  # every process's, across processes
 
     def wrap(self, components, wrap=PerReplica):
         return wrap(None, _traced=ThreadValues(components, self), _validate=False)

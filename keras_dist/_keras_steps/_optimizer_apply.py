@@ -53,14 +53,12 @@ def _apply_for_stateless_scopes(strategy, apply, variables, summed, scopes):
     def replicate(value):
         return value if isinstance(value, jax.core.Tracer) else extended.placement.replicate(value)
 
-    def to_device(value, device):
-        return value if isinstance(value, jax.core.Tracer) else on_device(value, device)
-
     mapping = {key: replicate(value) for key, value in scopes[0].state_mapping.items()}
     with RecordingScope(mapping) as recording:
         extended.update(variables, apply, args=(summed,))
     for index, replica_scope in enumerate(scopes):
-        device = extended.local_devices[index]
         for variable in recording.assigned.values():
             value = recording.state_mapping[id(variable)]
-            replica_scope.add_update((variable, to_device(value, device)))
+            if not isinstance(value, jax.core.Tracer):  # eager replicas: each on its device
+                value = on_device(value, extended.local_devices[index])
+            replica_scope.add_update((variable, value))

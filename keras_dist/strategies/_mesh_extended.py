@@ -190,9 +190,6 @@ class MeshExtended(StrategyExtended, MeshRuntime):
             if eagerly or _config.functions_run_eagerly():
                 return self._eager.run(fn, args, kwargs)
             if _has_uneven_components((args, kwargs)):
-                if self.spans_processes:
-                    # One process's program cannot hold the other workers' replicas.
-                    return self._eager.run(fn, args, kwargs)
                 return self._uneven.run(fn, args, kwargs)
             return self._compiled.run(fn, args, kwargs)
 

@@ -398,6 +398,67 @@ def test_fit_on_two_workers_equals_one_device_and_checkpoints_once(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["train"]
 
 
+def _loop_with_a_partial_batch(strategy, initial=None):
+    """TF's custom loop with a metric; the last batch (69 = 4 x 16 + 5) splits 3 / 2."""
+    import keras
+
+    with strategy.scope():
+        model = _tiny_model()
+        mean_loss = keras.metrics.Mean()
+    if initial is not None:
+        shapes = [w.shape for w in model.get_weights()]
+        pieces = np.split(initial, np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+        model.set_weights([w.reshape(s) for w, s in zip(pieces, shapes)])
+    loss_fn = keras.losses.MeanSquaredError(reduction=None)
+
+    def replica_step(inputs, targets):
+        def loss():
+            per_example = loss_fn(targets, model(inputs, training=True))
+            mean_loss.update_state(per_example)
+            return kd.nn.compute_average_loss(per_example, global_batch_size=16)
+
+        value, grads = kd.value_and_grad(loss, model.trainable_variables)()
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return value
+
+    @kd.function
+    def step(batch):
+        return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)
+
+    x, y = _regression_data(69)
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 69, 16)]
+    losses = [float(step(b)) for b in strategy.experimental_distribute_dataset(batches)]
+    return {
+        "initial": initial,
+        "losses": losses,
+        "final": _flat(model.get_weights()),
+        "mean_loss": float(mean_loss.result()),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+def _partial_batch_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        initial = _flat(_tiny_model().get_weights())  # worker 0's first values, everywhere
+    result = _loop_with_a_partial_batch(strategy, initial)
+    result["uneven_traces"] = strategy.extended._uneven.trace_count
+    return result
+
+
+def test_custom_loop_partial_batch_across_workers_is_compiled_and_equals_one_device():
+    chief, worker = _launch(_partial_batch_worker)
+    # The last batch ran as one compiled program on every worker (not replica threads
+    # op by op, with a collective for each reduction), traced once.
+    assert chief["uneven_traces"] == worker["uneven_traces"] == 1
+    expected = _loop_with_a_partial_batch(kd.get_strategy(), chief["initial"])
+    for result in (chief, worker):
+        np.testing.assert_allclose(result["losses"], expected["losses"], rtol=1e-5)
+        np.testing.assert_allclose(result["final"], expected["final"], atol=1e-6)
+        np.testing.assert_allclose(result["mean_loss"], expected["mean_loss"], rtol=1e-5)
+        assert result["iterations"] == expected["iterations"] == 5
+
+
 def _resumable_worker(directory, fail_at_batch, marker, preemptible=False):
     import os
     import time
