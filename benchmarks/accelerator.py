@@ -40,7 +40,6 @@ import os  # noqa: E402
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from _jit_baseline import keras_mlp  # noqa: E402
@@ -311,7 +310,8 @@ def main():
     rows = batch * (20 if LARGE else 4)
     tokens = rng.integers(0, vocab, (rows, length)).astype("int32")
     labels = rng.integers(0, 10, rows).astype("int32")
-    compare_fit("Transformer", transformer(vocab, length, dim, heads, layers), tokens, labels, batch)
+    encoder = transformer(vocab, length, dim, heads, layers)
+    compare_fit("Transformer", encoder, tokens, labels, batch)
 
 
 if __name__ == "__main__":

@@ -214,7 +214,8 @@ def collectives_line(sizes, calls):
     return (
         "multi_worker collectives (2 processes x 1 cpu device, gloo; target <= 1.15x): "
         + "; ".join(parts)
-        + f" [medians of {calls} rounds of the three in shuffled turn; ratios: medians of each round's]"
+        + f" [medians of {calls} rounds of the three in shuffled order; ratios: medians of "
+        "each round's]"
     )
 
 
