@@ -59,6 +59,10 @@ class _Program:
         # ``cut_to_local``: the outputs hold ``LocalResults`` (only across processes).
         self.out_treedef, self.out_layout, self.cut_to_local = out_record
         self.versions = versions
+        self._mesh = next((e for e in extendeds if isinstance(e, MeshRuntime)), None)
+        # How each variable is read and written back, decided once: a step's host
+        # work is this loop, so it should not ask each variable what it is.
+        self._access = [_state_access(v, extendeds) for v in state]
 
     def current(self) -> bool:
         alive = all(r() is not None for r in self._state)
@@ -66,17 +70,16 @@ class _Program:
 
     def __call__(self, dynamic):
         state = [r() for r in self._state]
-        values = [_state_value(v, self.extendeds) for v in state]
+        values = [read(v) for (read, _), v in zip(self._access, state)]
         copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
-        mesh = next((e for e in self.extendeds if isinstance(e, MeshRuntime)), None)
-        if mesh is not None:
+        if self._mesh is not None:
             # As the strategy runs its programs: across processes under the peer
             # watch, so that a lost worker is named instead of waited on forever.
-            new_state, outputs = mesh.placement.execute(self.compiled, values, dynamic)
+            new_state, outputs = self._mesh.placement.execute(self.compiled, values, dynamic)
         else:
             new_state, outputs = GATE.call(False, self.compiled, values, dynamic)
-        for variable, value in zip(state, new_state):
-            _store_state(variable, value)
+        for (_, write), variable, value in zip(self._access, state, new_state):
+            write(variable, value)
         outputs = _rebuild(self.out_treedef, self.out_layout, outputs)
         return local_only(outputs) if self.cut_to_local else outputs
 
@@ -98,6 +101,16 @@ class _BoundFunction:
     def experimental_get_tracing_count(self) -> int:
         """How many programs this method has built for this instance."""
         return self._function.experimental_get_tracing_count()
+
+
+def _state_access(variable, extendeds):
+    """``(read, write)`` of ``variable`` as program state (unbound: the program holds it weakly)."""
+    if isinstance(variable, SyncOnReadVariable):
+        return (lambda v: v.stored()), (lambda v, value: v.store(value))
+    if isinstance(variable, DistributedVariable):
+        extended = variable.distribute_strategy.extended
+        return extended.compute_value, extended.store_computed
+    return functools.partial(_state_value, extendeds=extendeds), _store_state
 
 
 def _state_value(variable, extendeds):
