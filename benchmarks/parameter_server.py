@@ -15,7 +15,9 @@ In one invocation, on this machine: an MLP 784-512-512-10 with SGD, per-worker b
     python benchmarks/parameter_server.py [--steps 200] [--repeats 3]
 
 Prints one line: the rates (steps/s, totals over the workers; median of the repeats) and
-keras_dist / baseline.
+keras_dist / baseline. Where TensorFlow is installed (in this Python, or in the one given with
+``--tf-python``), a second line compares keras_dist with TF's own ``ParameterServerStrategy``
+and ``ClusterCoordinator`` on the same workload (``_tf_parameter_server.py``, its own process).
 
     python benchmarks/parameter_server.py --scaling [--steps 100] [--repeats 1]
 
@@ -261,11 +263,32 @@ def scaling(steps, repeats):
     )
 
 
+def tf_rate(python, steps, repeats):
+    """TF's rate on the same workload, from ``_tf_parameter_server.py`` run by ``python``."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tf_parameter_server.py")
+    command = [python or sys.executable, script, "--steps", str(steps), "--repeats", str(repeats)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    match = re.search(r"TF ClusterCoordinator (\d+) steps/s", done.stdout)
+    if match is None:
+        raise RuntimeError(
+            f"The TF baseline failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
+    return float(match.group(1))
+
+
 def main():
+    import importlib.util
+
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200, help="steps per timing, all workers")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scaling", action="store_true", help="1, 2, 4 workers x 1, 2 ps")
+    parser.add_argument("--tf-python", default=None, help="a Python with TensorFlow installed")
     args = parser.parse_args()
     if args.scaling:
         scaling(args.steps, args.repeats)
@@ -279,6 +302,13 @@ def main():
         f"jitted step {limit:.0f} steps/s (the limit) [cpu, MLP 784-512-512-10, SGD, 2 workers "
         f"+ 1 ps, per-worker batch {BATCH}, median of {args.repeats} x {args.steps} steps]"
     )
+    if args.tf_python or importlib.util.find_spec("tensorflow") is not None:
+        tf = tf_rate(args.tf_python, args.steps, args.repeats)
+        print(
+            f"parameter_server vs TF: keras_dist ClusterCoordinator {ours:.0f} steps/s vs TF "
+            f"ClusterCoordinator {tf:.0f} steps/s, ratio {ours / tf:.2f} (target >= 2.0) [cpu, "
+            f"same workload, median of {args.repeats} x {args.steps} steps]"
+        )
 
 
 if __name__ == "__main__":

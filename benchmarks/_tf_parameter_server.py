@@ -1,0 +1,146 @@
+"""TensorFlow's own parameter servers on ``parameter_server.py``'s workload: the TF baseline.
+
+TF's ``ParameterServerStrategy`` and ``ClusterCoordinator`` on local processes (one
+``tf.distribute.Server`` per ps and worker task on 127.0.0.1; this process is the
+coordinator), training the same MLP 784-512-512-10 (ReLU) with plain SGD, per-worker
+batch 64 and mean sparse cross-entropy, asynchronously: the step (``strategy.run`` of
+the replica function, as TF's tutorial writes it) is scheduled ``--steps`` times and
+joined, after a warm-up of 4 steps per worker. Raw TF variables and ``tf.GradientTape``:
+Keras 3 cannot run under TF's parameter servers.
+
+It needs TensorFlow and never imports JAX or keras_dist; ``parameter_server.py`` runs it
+as its own process when given a Python that has TensorFlow:
+
+    python benchmarks/_tf_parameter_server.py [--steps 200] [--repeats 3] [--workers 2]
+
+Prints one line: TF's rate (steps/s, totals over the workers; median of the repeats).
+"""
+
+import argparse
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+
+import numpy as np
+
+# TF's C++ logs: its coordinator reports the task servers it loses when they are stopped.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+SIZES = (784, 512, 512, 10)
+BATCH, LR = 64, 0.01
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(cluster, job, index):
+    """A task process: one TF server of the cluster, until it is terminated."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import tensorflow as tf
+
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(cluster), job_name=job, task_index=index, protocol="grpc"
+    )
+    server.join()
+
+
+def _params(seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = []
+    for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
+        shapes += [(n_in, n_out), (n_out,)]
+    return [(rng.normal(size=s) * 0.05).astype("float32") for s in shapes]
+
+
+def tf_rates(steps, repeats, workers=2):
+    """TF's steps per second, per repeat, on ``workers`` workers and 1 ps."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import tensorflow as tf
+
+    cluster = {
+        "worker": [f"127.0.0.1:{_free_port()}" for _ in range(workers)],
+        "ps": [f"127.0.0.1:{_free_port()}"],
+        "chief": [f"127.0.0.1:{_free_port()}"],
+    }
+    spawn = multiprocessing.get_context("spawn")
+    tasks = [
+        spawn.Process(target=_serve, args=(cluster, job, index), daemon=True)
+        for job in ("worker", "ps")
+        for index in range(len(cluster[job]))
+    ]
+    for task in tasks:
+        task.start()
+    try:
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            params = [tf.Variable(p) for p in _params()]
+        rng = np.random.default_rng(0)
+        xs = rng.normal(size=(16 * BATCH, SIZES[0])).astype("float32")
+        ys = rng.integers(0, SIZES[-1], size=16 * BATCH).astype("int32")
+
+        def dataset_fn():
+            return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(BATCH).repeat()
+
+        @tf.function
+        def step_fn(iterator):
+            def replica_fn(x, y):
+                with tf.GradientTape() as tape:
+                    h = x
+                    for i in range(0, len(params) - 2, 2):
+                        h = tf.nn.relu(h @ params[i] + params[i + 1])
+                    logits = h @ params[-2] + params[-1]
+                    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+                for param, grad in zip(params, tape.gradient(loss, params)):
+                    param.assign_sub(LR * grad)
+                return loss
+
+            x, y = next(iterator)
+            return strategy.run(replica_fn, args=(x, y))
+
+        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        for _ in range(4 * workers):  # trace, send and build on every worker
+            coordinator.schedule(step_fn, args=(iterator,))
+        coordinator.join()
+        rates = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            for _ in range(steps):
+                coordinator.schedule(step_fn, args=(iterator,))
+            coordinator.join()
+            rates.append(steps / (time.perf_counter() - began))
+        return rates
+    finally:
+        for task in tasks:
+            task.terminate()
+        for task in tasks:
+            task.join(timeout=10)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=200, help="steps per timing, all workers")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    rate = statistics.median(tf_rates(args.steps, args.repeats, args.workers))
+    print(
+        f"tf_parameter_server: TF ClusterCoordinator {rate:.0f} steps/s [cpu, MLP "
+        f"784-512-512-10, SGD, {args.workers} workers + 1 ps, per-worker batch {BATCH}, "
+        f"median of {args.repeats} x {args.steps} steps]",
+        flush=True,
+    )
+    # TF's coordinator keeps threads that do not end on their own.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
