@@ -112,8 +112,9 @@ def test_a_worker_gone_for_good_leaves_the_job_on_two_workers(tmp_path, capsys):
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     expected = np.concatenate([np.ravel(w) for w in model.get_weights()])
     np.testing.assert_allclose(results[0]["final"], expected, atol=1e-5)
+    # The loss falls to ~3e-5: float32 sums in another order differ by ~1e-9 there.
     np.testing.assert_allclose(
-        results[0]["history"]["loss"], history.history["loss"][2:], rtol=1e-5
+        results[0]["history"]["loss"], history.history["loss"][2:], rtol=1e-5, atol=1e-8
     )
     assert history.history["loss"][-1] < 0.2 * history.history["loss"][0]
 
