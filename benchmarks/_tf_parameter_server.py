@@ -1,11 +1,17 @@
 """TensorFlow's own parameter servers on ``parameter_server.py``'s workload: the TF baseline.
 
-TF's ``ParameterServerStrategy`` and ``ClusterCoordinator`` on local processes (one
-``tf.distribute.Server`` per ps and worker task on 127.0.0.1; this process is the
-coordinator), training the same MLP 784-512-512-10 (ReLU) with plain SGD, per-worker
-batch 64 and mean sparse cross-entropy, asynchronously: the step (``strategy.run`` of
-the replica function, as TF's tutorial writes it) is scheduled ``--steps`` times and
-joined, after a warm-up of 4 steps per worker. Raw TF variables and ``tf.GradientTape``:
+TF 2.21's ``tf.distribute.experimental.ParameterServerStrategy`` and
+``tf.distribute.coordinator.ClusterCoordinator`` on local processes (one
+``tf.distribute.Server`` per ps and worker task on a free 127.0.0.1 port, each in a spawned
+child process; this process is the chief, the coordinator), training the same MLP
+784-512-512-10 (ReLU, weights normal * 0.05 from seed 0) with plain SGD (lr 0.01),
+per-worker batch 64 and mean sparse softmax cross-entropy from logits, asynchronously:
+worker ``i`` cycles over ``parameter_server._batches(i)`` (16 batches, its index from
+``experimental_get_current_worker_index`` in the per-worker ``dataset_fn``); the step (a
+``tf.function`` that reads ``next(iterator)`` and runs, with ``strategy.run`` as TF's
+tutorial writes it, a ``tf.GradientTape`` gradient and ``assign_sub`` SGD) is scheduled
+``--steps`` times and joined, after a warm-up of 4 steps per worker, as
+``parameter_server.keras_dist_rates`` times keras_dist. Raw TF variables, not Keras:
 Keras 3 cannot run under TF's parameter servers.
 
 It needs TensorFlow and never imports JAX or keras_dist; ``parameter_server.py`` runs it
@@ -21,15 +27,39 @@ import multiprocessing
 import os
 import socket
 import statistics
+import sys
+import threading
 import time
+import traceback
 
 import numpy as np
 
 # TF's C++ logs: its coordinator reports the task servers it loses when they are stopped.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the workload of parameter_server.py: CPU
 
 SIZES = (784, 512, 512, 10)
 BATCH, LR = 64, 0.01
+
+
+# The workload, as parameter_server.py defines it (copied: that file imports keras_dist).
+def _shapes():
+    shapes = []
+    for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
+        shapes += [(n_in, n_out), (n_out,)]
+    return shapes
+
+
+def _init_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=s) * 0.05).astype("float32") for s in _shapes()]
+
+
+def _batches(seed, count=16):
+    rng = np.random.default_rng(seed)
+    xs = rng.normal(size=(count, BATCH, SIZES[0])).astype("float32")
+    ys = rng.integers(0, SIZES[-1], size=(count, BATCH)).astype("int32")
+    return xs, ys
 
 
 def _free_port():
@@ -39,8 +69,15 @@ def _free_port():
 
 
 def _serve(cluster, job, index):
-    """A task process: one TF server of the cluster, until it is terminated."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    """A task process: one TF server of the cluster, until it is terminated or orphaned."""
+    parent = os.getppid()
+
+    def watch():  # the chief was killed before it could terminate this task
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
     import tensorflow as tf
 
     server = tf.distribute.Server(
@@ -49,17 +86,8 @@ def _serve(cluster, job, index):
     server.join()
 
 
-def _params(seed=0):
-    rng = np.random.default_rng(seed)
-    shapes = []
-    for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
-        shapes += [(n_in, n_out), (n_out,)]
-    return [(rng.normal(size=s) * 0.05).astype("float32") for s in shapes]
-
-
 def tf_rates(steps, repeats, workers=2):
     """TF's steps per second, per repeat, on ``workers`` workers and 1 ps."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import tensorflow as tf
 
     cluster = {
@@ -73,36 +101,38 @@ def tf_rates(steps, repeats, workers=2):
         for job in ("worker", "ps")
         for index in range(len(cluster[job]))
     ]
-    for task in tasks:
-        task.start()
     try:
+        for task in tasks:
+            task.start()
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
         )
         strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
-            params = [tf.Variable(p) for p in _params()]
-        rng = np.random.default_rng(0)
-        xs = rng.normal(size=(16 * BATCH, SIZES[0])).astype("float32")
-        ys = rng.integers(0, SIZES[-1], size=16 * BATCH).astype("int32")
+            params = [tf.Variable(p) for p in _init_params()]
+        data = [_batches(i) for i in range(workers)]
+        all_xs = np.stack([xs for xs, _ in data])  # (workers, 16, BATCH, 784)
+        all_ys = np.stack([ys for _, ys in data])
 
         def dataset_fn():
-            return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(BATCH).repeat()
+            index = tf.distribute.coordinator.experimental_get_current_worker_index()
+            xs, ys = tf.gather(all_xs, index), tf.gather(all_ys, index)
+            return tf.data.Dataset.from_tensor_slices((xs, ys)).repeat()
+
+        def replica_fn(x, y):
+            with tf.GradientTape() as tape:
+                h = x
+                for i in range(0, len(params) - 2, 2):
+                    h = tf.nn.relu(h @ params[i] + params[i + 1])
+                logits = h @ params[-2] + params[-1]
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+            for param, grad in zip(params, tape.gradient(loss, params)):
+                param.assign_sub(LR * grad)
+            return loss
 
         @tf.function
         def step_fn(iterator):
-            def replica_fn(x, y):
-                with tf.GradientTape() as tape:
-                    h = x
-                    for i in range(0, len(params) - 2, 2):
-                        h = tf.nn.relu(h @ params[i] + params[i + 1])
-                    logits = h @ params[-2] + params[-1]
-                    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-                for param, grad in zip(params, tape.gradient(loss, params)):
-                    param.assign_sub(LR * grad)
-                return loss
-
             x, y = next(iterator)
             return strategy.run(replica_fn, args=(x, y))
 
@@ -120,9 +150,13 @@ def tf_rates(steps, repeats, workers=2):
         return rates
     finally:
         for task in tasks:
-            task.terminate()
+            if task.pid is not None:
+                task.terminate()
         for task in tasks:
-            task.join(timeout=10)
+            if task.pid is not None:
+                task.join(timeout=10)
+                if task.is_alive():
+                    task.kill()
 
 
 def main():
@@ -131,15 +165,23 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    rate = statistics.median(tf_rates(args.steps, args.repeats, args.workers))
-    print(
-        f"tf_parameter_server: TF ClusterCoordinator {rate:.0f} steps/s [cpu, MLP "
-        f"784-512-512-10, SGD, {args.workers} workers + 1 ps, per-worker batch {BATCH}, "
-        f"median of {args.repeats} x {args.steps} steps]",
-        flush=True,
-    )
-    # TF's coordinator keeps threads that do not end on their own.
-    os._exit(0)
+    code = 0
+    try:
+        rate = statistics.median(tf_rates(args.steps, args.repeats, args.workers))
+        print(
+            f"tf_parameter_server: TF ClusterCoordinator {rate:.0f} steps/s [cpu, MLP "
+            f"784-512-512-10, SGD, {args.workers} workers + 1 ps, per-worker batch {BATCH}, "
+            f"median of {args.repeats} x {args.steps} steps]",
+            flush=True,
+        )
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # TF's coordinator keeps threads that do not end on their own (the task processes are
+    # already gone: tf_rates ends them in its finally).
+    os._exit(code)
 
 
 if __name__ == "__main__":
