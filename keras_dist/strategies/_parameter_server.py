@@ -173,9 +173,10 @@ class ParameterServerExtended(StrategyExtended, RemoteScheduling):
     # ------------------------------------------------- replicas and devices
     @property
     def num_replicas_in_sync(self) -> int:
-        # A between-graph worker's local devices split each step's batch as one
-        # program (XLA's all-reduce joins them): a step's function sees the whole
-        # batch, one replica, and its numbers are the one-device step's.
+        # A worker task's local devices (coordinator mode or between-graph) split
+        # each step's batch as one program (XLA's all-reduce joins them): a step's
+        # function sees the whole batch, one replica, and its numbers are the
+        # one-device step's. (TF reports a worker's GPUs and runs one replica per GPU.)
         return 1
 
     @property

@@ -78,7 +78,15 @@ class MultiProcessCluster:
         cluster.start_task("worker", 1)  # it rejoins at the same address
     """
 
-    def __init__(self, num_workers, num_ps, has_chief=False, rpc_layer="grpc", timeout=60.0):
+    def __init__(
+        self,
+        num_workers,
+        num_ps,
+        has_chief=False,
+        rpc_layer="grpc",
+        timeout=60.0,
+        devices_per_worker=None,
+    ):
         cluster = create_cluster_spec(has_chief=has_chief, num_workers=num_workers, num_ps=num_ps)
         self._cluster = cluster
         # Every task and this process share one token; tasks refuse anyone else.
@@ -91,6 +99,7 @@ class MultiProcessCluster:
             stream_output=False,
             dependence_on_chief=False,
             terminate_grace=5.0,
+            devices_per_worker=devices_per_worker,
         )
         task_type, task_id = ("chief", 0) if has_chief else (None, None)
         self.cluster_resolver = SimpleClusterResolver(
@@ -102,16 +111,16 @@ class MultiProcessCluster:
             for index in range(len(served[job])):
                 self.wait_for_task(job, index)
 
-    def wait_for_task(self, task_type: str, task_id: int) -> None:
-        """Returns once the task's server answers; raises with its log after ``timeout``."""
+    def wait_for_task(self, task_type: str, task_id: int) -> dict:
+        """Returns the task's answer to a ping once it serves; raises with its log after ``timeout``."""
         address = self._cluster[task_type][task_id]
         client = RpcClient(address, name=f"/job:{task_type}/replica:0/task:{task_id}")
         deadline = time.monotonic() + self._timeout
         try:
             while True:
                 try:
-                    client.call(protocol.request(protocol.PING), timeout=2.0)
-                    return
+                    reply, _, _ = client.call(protocol.request(protocol.PING), timeout=2.0)
+                    return reply
                 except errors.OpError:
                     if time.monotonic() > deadline:
                         raise RuntimeError(
@@ -121,6 +130,10 @@ class MultiProcessCluster:
                     time.sleep(0.2)
         finally:
             client.close()
+
+    def worker_devices(self, task_id: int) -> int:
+        """How many devices worker ``task_id`` runs each step on (it splits the batch)."""
+        return self.wait_for_task("worker", task_id)["devices"]
 
     def kill_task(self, task_type: str, task_id: int) -> None:
         """Kills a task's process now (SIGKILL)."""
@@ -151,8 +164,14 @@ class MultiProcessCluster:
         self._runner.close()
 
 
-def create_multi_process_cluster(num_workers, num_ps, has_chief=False, rpc_layer="grpc"):
+def create_multi_process_cluster(
+    num_workers, num_ps, has_chief=False, rpc_layer="grpc", devices_per_worker=None
+):
     """Starts one process per ps and worker task; returns a ``MultiProcessCluster``.
+
+    ``devices_per_worker`` gives each task that many simulated CPU devices (one
+    count, or one per task: the workers', then the ps tasks'); a worker runs
+    every step on all of its devices.
 
     >>> import keras_dist as kd
     >>> cluster = kd.testing.create_multi_process_cluster(num_workers=1, num_ps=1)
@@ -160,4 +179,10 @@ def create_multi_process_cluster(num_workers, num_ps, has_chief=False, rpc_layer
     ['ps', 'worker']
     >>> cluster.stop()
     """
-    return MultiProcessCluster(num_workers, num_ps, has_chief=has_chief, rpc_layer=rpc_layer)
+    return MultiProcessCluster(
+        num_workers,
+        num_ps,
+        has_chief=has_chief,
+        rpc_layer=rpc_layer,
+        devices_per_worker=devices_per_worker,
+    )

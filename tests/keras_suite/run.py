@@ -37,8 +37,10 @@ from strategy_plugin import STRATEGIES  # noqa: E402
 PER_PROCESS_TIMEOUT_S = 3600
 
 
-def run_pytest(strategy: str, sources: pathlib.Path, targets: list[str]) -> dict[str, str]:
-    """Outcome by test id (relative to ``sources``) of one pytest process."""
+def run_pytest(
+    strategy: str, sources: pathlib.Path, targets: list[str], jobs: int = 1
+) -> dict[str, str]:
+    """Outcome by test id (relative to ``sources``) of one pytest run (``jobs`` workers)."""
     with tempfile.TemporaryDirectory() as scratch:
         report = pathlib.Path(scratch) / "outcomes.json"
         env = dict(os.environ)
@@ -68,6 +70,8 @@ def run_pytest(strategy: str, sources: pathlib.Path, targets: list[str]) -> dict
             "console_output_style=classic",
             "--timeout=600",
             "--continue-on-collection-errors",
+            # pytest-xdist's workers each load the plugin (and so the strategy) themselves.
+            *(["-n", str(jobs)] if jobs > 1 else []),
             *targets,
         ]
         print(f"[{strategy}] {len(targets)} target(s)", flush=True)
@@ -89,6 +93,15 @@ def run_pytest(strategy: str, sources: pathlib.Path, targets: list[str]) -> dict
         log.write_text(completed.stdout)
         print(f"[{strategy}] pytest's output: {log}", flush=True)
         return json.loads(report.read_text())
+
+
+def default_jobs() -> int:
+    """One pytest worker per CPU, at most 4 (each simulates 4 devices of its own)."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return 1
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def compare(
@@ -114,6 +127,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folders", nargs="+", default=list(SUITE_FOLDERS), choices=SUITE_FOLDERS)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=default_jobs(),
+        help="pytest-xdist workers per pytest run (default: one per CPU, at most 4)",
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write every outcome here")
     parser.add_argument(
         "--plain-from",
@@ -124,14 +143,14 @@ def main(argv=None) -> int:
 
     sources = test_sources()
     strategies = [s for s in args.strategies if s != "plain"]
-    outcomes = {s: run_pytest(s, sources, args.folders) for s in strategies}
+    outcomes = {s: run_pytest(s, sources, args.folders, args.jobs) for s in strategies}
     if args.plain_from:
         plain = json.loads(args.plain_from.read_text())["plain"]
     elif "plain" in args.strategies:
-        plain = run_pytest("plain", sources, args.folders)
+        plain = run_pytest("plain", sources, args.folders, args.jobs)
     else:
         failing = sorted({t for o in outcomes.values() for t, r in o.items() if r == "failed"})
-        plain = run_pytest("plain", sources, failing) if failing else {}
+        plain = run_pytest("plain", sources, failing, args.jobs) if failing else {}
 
     print(f"\nKeras {keras_version()}'s tests of {', '.join(args.folders)}")
     if "plain" in args.strategies:

@@ -87,7 +87,8 @@ def pytest_collectreport(report):
 
 def pytest_sessionfinish(session):
     path = os.environ.get("KERAS_DIST_SUITE_REPORT")
-    if path:
+    # Under pytest-xdist each worker's reports reach the controller, which writes them all.
+    if path and not hasattr(session.config, "workerinput"):
         import json
 
         with open(path, "w") as f:

@@ -268,7 +268,9 @@ def _run_losing_worker_1(how, timeout_seconds, loop="fit"):
         devices_per_worker=1,
         stream_output=False,
         dependence_on_chief=False,
-        failure_grace=90,
+        # A worker that dies first leaves the survivor its whole timeout to name it; a
+        # stuck or frozen worker never exits by itself, and the survivor fails first.
+        failure_grace=timeout_seconds + 30 if how == "dies" else 5,
         terminate_grace=2,
     ) as runner:
         runner.start()

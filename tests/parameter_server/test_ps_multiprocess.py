@@ -67,6 +67,37 @@ def test_fit_on_two_workers_and_two_ps(cluster):
         assert devices == {f"/job:ps/replica:0/task:{k}/device:CPU:0" for k in (0, 1)}
 
 
+def test_a_worker_with_two_devices_splits_each_step_and_gives_one_devices_numbers():
+    # A coordinator-mode worker task runs every scheduled step on all its devices,
+    # the batch split between them and the gradients summed in the program (TF runs a
+    # worker's step on each of its GPUs). One worker: the steps run in order, so the
+    # numbers are those of plain Keras on one device. Its own cluster: 2 devices a task.
+    two_devices = kd.testing.create_multi_process_cluster(
+        num_workers=1, num_ps=1, devices_per_worker=2
+    )
+    try:
+        with _logs_on_failure(two_devices):
+            assert two_devices.worker_devices(0) == 2
+            x, y = _data()
+            keras.utils.set_random_seed(3)
+            plain = _model()
+            expected = plain.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+            strategy = kd.ParameterServerStrategy(two_devices.cluster_resolver)
+            keras.utils.set_random_seed(3)
+            with strategy.scope():
+                model = _model()
+            history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+            assert int(model.optimizer.iterations.numpy()) == 3 * 8
+            # Equal up to the order of the summed rows (two halves, then their sum).
+            np.testing.assert_allclose(
+                history.history["loss"], expected.history["loss"], rtol=1e-5
+            )
+            for mine, theirs in zip(model.get_weights(), plain.get_weights()):
+                np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    finally:
+        two_devices.stop()
+
+
 def _busy_increment(counter):
     x = jnp.ones((256, 256)) / 256.0
     for _ in range(30):

@@ -9,6 +9,8 @@ its whole cluster in a notebook), or one per process, started from TF_CONFIG.
 import logging
 import threading
 
+import jax
+
 from keras_dist.cluster_resolver import ClusterResolver
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.parameter_server.rpc import _protocol as protocol
@@ -97,7 +99,13 @@ class Server:
             self._service = VariableStore(self.task_name)
         else:
             workers = spec.num_tasks("worker") if "worker" in spec.jobs else 1
-            self._service = WorkerService(self.task_name, spec, workers, credentials=None)
+            # A worker task of its own process runs each step on all its devices, the
+            # batch split between them (as a between-graph worker does). Servers of an
+            # in-process cluster share the coordinator's devices: they use one.
+            devices = jax.local_devices() if is_own_task(job_name, task_index) else ()
+            self._service = WorkerService(
+                self.task_name, spec, workers, credentials=None, devices=devices
+            )
         self._rpc = RpcServer(address, self._handle, name=self.task_name, credentials=credentials)
         self._address = address
         self._started = False

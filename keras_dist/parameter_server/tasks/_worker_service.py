@@ -1,4 +1,4 @@
-"""The worker's side: runs the programs the coordinator sends, on this task's device.
+"""The worker's side: runs the programs the coordinator sends, on this task's devices.
 
 A worker keeps the programs (``jax.export`` blobs), per-worker datasets and
 iterators the coordinator created on it. ``run`` reads the variables a program
@@ -94,6 +94,11 @@ class WorkerService:
         self.runs = 0
 
     @property
+    def num_devices(self) -> int:
+        """How many devices each step runs on."""
+        return 1 if self._mesh is None else self._mesh.size
+
+    @property
     def loaded_programs(self) -> list:
         """The ids of the programs this worker holds (the coordinator's live ones)."""
         with self._lock:
@@ -102,7 +107,7 @@ class WorkerService:
     def handle(self, header: dict, arrays: list, blob: bytes):
         op = protocol.check_request(header, "worker").name
         if op == "ping":
-            return {"task": self.task_name}, [], b""
+            return {"task": self.task_name, "devices": self.num_devices}, [], b""
         if op == "load":
             program = _LoadedProgram(header, blob)
             with self._lock:
