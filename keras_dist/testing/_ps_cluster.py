@@ -112,7 +112,7 @@ class MultiProcessCluster:
                 self.wait_for_task(job, index)
 
     def wait_for_task(self, task_type: str, task_id: int) -> dict:
-        """Returns the task's answer to a ping once it serves; raises with its log after ``timeout``."""
+        """The task's answer to a ping once it serves; raises with its log after ``timeout``."""
         address = self._cluster[task_type][task_id]
         client = RpcClient(address, name=f"/job:{task_type}/replica:0/task:{task_id}")
         deadline = time.monotonic() + self._timeout
