@@ -89,9 +89,7 @@ def test_a_worker_with_two_devices_splits_each_step_and_gives_one_devices_number
             history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
             assert int(model.optimizer.iterations.numpy()) == 3 * 8
             # Equal up to the order of the summed rows (two halves, then their sum).
-            np.testing.assert_allclose(
-                history.history["loss"], expected.history["loss"], rtol=1e-5
-            )
+            np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
             for mine, theirs in zip(model.get_weights(), plain.get_weights()):
                 np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
     finally:
