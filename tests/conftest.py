@@ -19,6 +19,7 @@ import keras_dist as kd  # noqa: E402
 _ONE_AT_A_TIME = pytest.mark.xdist_group("processes")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         folder = item.path.relative_to(config.rootpath).parts[1]

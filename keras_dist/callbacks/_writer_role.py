@@ -15,13 +15,13 @@ __all__ = ["ProcessRole", "process_role", "role_of_strategy"]
 
 
 def role_of_strategy(strategy) -> ProcessRole:
-    """The role the cluster resolver of ``strategy`` (anything with one) gives this process.
+    """The role the cluster resolver of ``strategy`` gives this process (chief without one).
 
     >>> import keras_dist as kd
     >>> role_of_strategy(kd.MultiWorkerMirroredStrategy()).is_chief
     True
     """
-    return role_from_resolver(getattr(strategy, "cluster_resolver", None))
+    return role_from_resolver(strategy.cluster_resolver)
 
 
 def process_role(model) -> ProcessRole:
