@@ -13,24 +13,6 @@ import pytest  # noqa: E402
 import keras_dist as kd  # noqa: E402
 
 
-# Tests that start processes, kill them on a timer, or measure memory run one at a time
-# on one pytest-xdist worker (`-n auto --dist loadgroup`, the README's test command), as
-# they would alone; the rest spread over the other workers.
-_ONE_AT_A_TIME = pytest.mark.xdist_group("processes")
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        folder = item.path.relative_to(config.rootpath).parts[1]
-        if (
-            item.get_closest_marker("multiprocess")
-            or folder == "train"
-            or item.path.name == "test_resources.py"
-        ):
-            item.add_marker(_ONE_AT_A_TIME)
-
-
 @pytest.fixture(params=["compiled", "eager"])
 def engine(request):
     """Runs a test through both engines of ``strategy.run``."""
