@@ -1,6 +1,10 @@
 """Test setup: 8 simulated CPU devices, set before JAX starts."""
 
 import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -32,3 +36,58 @@ def cpus(n):
     """The first ``n`` simulated CPU devices as TF device strings."""
     assert len(jax.devices("cpu")) >= n
     return [f"/cpu:{i}" for i in range(n)]
+
+
+# --- The Keras-suite pass (tests/keras_integration/test_keras_suite.py) -----------------------
+# Keras's own tests run in pytest processes of their own (tests/keras_suite/run.py), and most
+# of this suite's first part keeps one CPU busy: started when the session's tests are
+# collected, the Keras pass uses the other CPU meanwhile, and its test waits for the result.
+RUNNER = pathlib.Path(__file__).resolve().parent / "keras_suite" / "run.py"
+MIRRORED_PASS = [sys.executable, str(RUNNER), "--folders", "trainers", "callbacks"]
+MIRRORED_PASS += ["--strategies", "mirrored"]
+_SUITE_TEST = "test_keras_trainer_and_callback_tests_pass_under_mirrored_strategy"
+
+
+class BackgroundRun:
+    """A command started now, its output in a temporary file until ``result``."""
+
+    def __init__(self, command):
+        self._log = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, text=True
+        )
+
+    def result(self, timeout: float) -> tuple[int, str]:
+        """``(exit status, output)``; killed, with what it printed, past ``timeout`` seconds."""
+        try:
+            code = self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            code = self._process.wait()
+        self._log.seek(0)
+        return code, self._log.read()
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._log.close()
+
+
+_RUNS: dict = {}
+
+
+def pytest_collection_finish(session):
+    if any(item.name == _SUITE_TEST for item in session.items):
+        _RUNS[_SUITE_TEST] = BackgroundRun(MIRRORED_PASS)
+
+
+def pytest_sessionfinish(session):
+    for run in _RUNS.values():
+        run.stop()
+
+
+@pytest.fixture
+def keras_suite_mirrored_pass() -> BackgroundRun:
+    """The Mirrored pass started at collection (or now, when collected some other way)."""
+    return _RUNS.setdefault(_SUITE_TEST, BackgroundRun(MIRRORED_PASS))

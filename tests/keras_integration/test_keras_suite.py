@@ -5,28 +5,16 @@ and cached by ``tests/keras_suite/keras_sources.py``) run with the scope around 
 test, on 4 simulated devices. A test that passes without a strategy must pass with it,
 unless it is on the reviewed list (``tests/keras_suite/known_differences.py``). The full
 table (``optimizers/`` and ``models/`` too, and ``OneDeviceStrategy``) is
-``python tests/keras_suite/run.py``.
+``python tests/keras_suite/run.py``. The pass starts in the background when the session's
+tests are collected (``tests/conftest.py``); this test waits for it.
 """
-
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-RUNNER = pathlib.Path(__file__).resolve().parents[1] / "keras_suite" / "run.py"
-
 
 @pytest.mark.timeout(1800)
-def test_keras_trainer_and_callback_tests_pass_under_mirrored_strategy():
-    command = [sys.executable, str(RUNNER), "--folders", "trainers", "callbacks"]
-    result = subprocess.run(
-        [*command, "--strategies", "mirrored"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=1700,
-    )
-    print(result.stdout)
-    assert result.returncode == 0, result.stdout[-20000:]
-    assert "mirrored" in result.stdout
+def test_keras_trainer_and_callback_tests_pass_under_mirrored_strategy(keras_suite_mirrored_pass):
+    code, output = keras_suite_mirrored_pass.result(timeout=1700)
+    print(output)
+    assert code == 0, output[-20000:]
+    assert "mirrored" in output

@@ -312,8 +312,10 @@ class _KillPs0(keras.callbacks.Callback):
 
 
 def test_a_ps_killed_mid_fit_is_named_and_its_empty_restart_refused(cluster):
-    # Runs after the test above left ps 0 dead: it comes back empty first.
+    # ps 0 starts empty (the test above left it dead; alone, or on another xdist
+    # worker, this test kills it first).
     with _logs_on_failure(cluster):
+        cluster.kill_task("ps", 0)
         cluster.start_task("ps", 0)
         strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
         with strategy.scope():
