@@ -178,6 +178,14 @@ def main(argv=None) -> int:
         for test in stale:
             print(f"  REVIEWED ENTRY PASSES NOW under {strategy}, remove it: {test}")
         status |= bool(unexplained or stale)
+    # A module that cannot be imported (an optional dependency such as TensorFlow or torch
+    # is missing) fails plain too: its tests are not compared at all. Say which.
+    unimportable = sorted(t for t, o in plain.items() if o == "failed" and "::" not in t)
+    if unimportable:
+        print(
+            f"not compared: {len(unimportable)} test module(s) fail to import without a "
+            "strategy too (see pytest's output for the missing module): " + ", ".join(unimportable)
+        )
     if args.json:
         args.json.write_text(json.dumps({"plain": plain, **outcomes}, indent=1, sort_keys=True))
     return status
