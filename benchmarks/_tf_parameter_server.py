@@ -6,7 +6,7 @@ TF 2.21's ``tf.distribute.experimental.ParameterServerStrategy`` and
 child process; this process is the chief, the coordinator), training the same MLP
 784-512-512-10 (ReLU, weights normal * 0.05 from seed 0) with plain SGD (lr 0.01),
 per-worker batch 64 and mean sparse softmax cross-entropy from logits, asynchronously:
-worker ``i`` cycles over ``parameter_server._batches(i)`` (16 batches, its index from
+worker ``i`` cycles over ``_ps_workload.batches(i)`` (16 batches, its index from
 ``experimental_get_current_worker_index`` in the per-worker ``dataset_fn``); the step (a
 ``tf.function`` that reads ``next(iterator)`` and runs, with ``strategy.run`` as TF's
 tutorial writes it, a ``tf.GradientTape`` gradient and ``assign_sub`` SGD) is scheduled
@@ -38,28 +38,11 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the workload of parameter_server.py: CPU
 
-SIZES = (784, 512, 512, 10)
-BATCH, LR = 64, 0.01
-
-
-# The workload, as parameter_server.py defines it (copied: that file imports keras_dist).
-def _shapes():
-    shapes = []
-    for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
-        shapes += [(n_in, n_out), (n_out,)]
-    return shapes
-
-
-def _init_params(seed=0):
-    rng = np.random.default_rng(seed)
-    return [(rng.normal(size=s) * 0.05).astype("float32") for s in _shapes()]
-
-
-def _batches(seed, count=16):
-    rng = np.random.default_rng(seed)
-    xs = rng.normal(size=(count, BATCH, SIZES[0])).astype("float32")
-    ys = rng.integers(0, SIZES[-1], size=(count, BATCH)).astype("int32")
-    return xs, ys
+# The workload of parameter_server.py (that file imports keras_dist's side).
+from _ps_workload import BATCH  # noqa: E402
+from _ps_workload import LR  # noqa: E402
+from _ps_workload import batches as _batches  # noqa: E402
+from _ps_workload import init_params as _init_params  # noqa: E402
 
 
 def _free_port():

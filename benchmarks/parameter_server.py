@@ -33,28 +33,12 @@ import threading
 import time
 
 import numpy as np
-
-SIZES = (784, 512, 512, 10)
-BATCH, LR = 64, 0.01
-
-
-def _shapes():
-    shapes = []
-    for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
-        shapes += [(n_in, n_out), (n_out,)]
-    return shapes
-
-
-def _init_params(seed=0):
-    rng = np.random.default_rng(seed)
-    return [(rng.normal(size=s) * 0.05).astype("float32") for s in _shapes()]
-
-
-def _batches(seed, count=16):
-    rng = np.random.default_rng(seed)
-    xs = rng.normal(size=(count, BATCH, SIZES[0])).astype("float32")
-    ys = rng.integers(0, SIZES[-1], size=(count, BATCH)).astype("int32")
-    return xs, ys
+from _ps_workload import BATCH
+from _ps_workload import LR
+from _ps_workload import SIZES
+from _ps_workload import batches as _batches
+from _ps_workload import init_params as _init_params
+from _ps_workload import shapes as _shapes
 
 
 def _jax_loss():
