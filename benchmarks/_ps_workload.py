@@ -1,4 +1,4 @@
-"""The parameter-server benchmark's workload: an MLP, its first values and each worker's data.
+"""The parameter-server benchmark's workload (an MLP, its values, each worker's data) and timing.
 
 NumPy only: ``parameter_server.py`` (keras_dist and the raw-gRPC baseline) and
 ``_tf_parameter_server.py`` (TensorFlow, in a Python of its own) train the same thing.
@@ -8,6 +8,8 @@ NumPy only: ``parameter_server.py`` (keras_dist and the raw-gRPC baseline) and
 >>> [a.shape for a in batches(0, count=2)]
 [(2, 64, 784), (2, 64)]
 """
+
+import time
 
 import numpy as np
 
@@ -35,3 +37,21 @@ def batches(seed, count=16):
     xs = rng.normal(size=(count, BATCH, SIZES[0])).astype("float32")
     ys = rng.integers(0, SIZES[-1], size=(count, BATCH)).astype("int32")
     return xs, ys
+
+
+def scheduled_rates(coordinator, step_fn, iterator, workers, steps, repeats):
+    """Steps/s of ``repeats`` rounds of ``steps`` scheduled steps, after 4 warm-ups per worker.
+
+    The same for keras_dist's and TF's ``ClusterCoordinator`` (their ``schedule``/``join``).
+    """
+    for _ in range(4 * workers):  # trace, send and compile on every worker
+        coordinator.schedule(step_fn, args=(iterator,))
+    coordinator.join()
+    rates = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for _ in range(steps):
+            coordinator.schedule(step_fn, args=(iterator,))
+        coordinator.join()
+        rates.append(steps / (time.perf_counter() - began))
+    return rates

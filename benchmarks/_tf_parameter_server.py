@@ -43,6 +43,7 @@ from _ps_workload import BATCH  # noqa: E402
 from _ps_workload import LR  # noqa: E402
 from _ps_workload import batches as _batches  # noqa: E402
 from _ps_workload import init_params as _init_params  # noqa: E402
+from _ps_workload import scheduled_rates  # noqa: E402
 
 
 def _free_port():
@@ -120,17 +121,7 @@ def tf_rates(steps, repeats, workers=2):
             return strategy.run(replica_fn, args=(x, y))
 
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-        for _ in range(4 * workers):  # trace, send and build on every worker
-            coordinator.schedule(step_fn, args=(iterator,))
-        coordinator.join()
-        rates = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            for _ in range(steps):
-                coordinator.schedule(step_fn, args=(iterator,))
-            coordinator.join()
-            rates.append(steps / (time.perf_counter() - began))
-        return rates
+        return scheduled_rates(coordinator, step_fn, iterator, workers, steps, repeats)
     finally:
         for task in tasks:
             if task.pid is not None:

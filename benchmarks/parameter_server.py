@@ -38,6 +38,7 @@ from _ps_workload import LR
 from _ps_workload import SIZES
 from _ps_workload import batches as _batches
 from _ps_workload import init_params as _init_params
+from _ps_workload import scheduled_rates
 from _ps_workload import shapes as _shapes
 
 
@@ -184,17 +185,7 @@ def keras_dist_rates(steps, repeats, workers=2, num_ps=1):
             return loss
 
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-        for _ in range(4 * workers):  # trace, send and compile on every worker
-            coordinator.schedule(step_fn, args=(iterator,))
-        coordinator.join()
-        rates = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            for _ in range(steps):
-                coordinator.schedule(step_fn, args=(iterator,))
-            coordinator.join()
-            rates.append(steps / (time.perf_counter() - began))
-        return rates
+        return scheduled_rates(coordinator, step_fn, iterator, workers, steps, repeats)
     finally:
         cluster.stop()
 
