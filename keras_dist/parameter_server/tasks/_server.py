@@ -95,6 +95,8 @@ class Server:
         self.task_index = task_index
         self.task_name = f"/job:{job_name}/replica:0/task:{task_index}"
         address = spec.task_address(job_name, task_index)
+        # TF_CONFIG names this task: a process of its own (not an in-process cluster).
+        self._own_process = is_own_task(job_name, task_index)
         if job_name == "ps":
             self._service = VariableStore(self.task_name)
         else:
@@ -102,7 +104,7 @@ class Server:
             # A worker task of its own process runs each step on all its devices, the
             # batch split between them (as a between-graph worker does). Servers of an
             # in-process cluster share the coordinator's devices: they use one.
-            devices = jax.local_devices() if is_own_task(job_name, task_index) else ()
+            devices = jax.local_devices() if self._own_process else ()
             self._service = WorkerService(
                 self.task_name, spec, workers, credentials=None, devices=devices
             )
@@ -131,7 +133,7 @@ class Server:
         """Starts serving (once)."""
         if self._started:
             return
-        own_process = is_own_task(self.job_name, self.task_index)
+        own_process = self._own_process
         if not token_from_environment():
             # A task of its own process (TF_CONFIG names it) is surely called from
             # others, which it will refuse: say so here, not only in their errors.
