@@ -14,17 +14,32 @@ attributes or relying on a ``None`` by convention:
 * ``RemoteScheduling``: functions are traced here and run by other processes,
   variables live on parameter servers (``ParameterServerStrategy``).
 
+The strategy itself is declared here too, as ``DistributionStrategy`` (every
+``kd.Strategy`` is one), so code handed an object can check that it is a
+strategy before asking its ``extended`` object for an ability.
+
 This module sits at the bottom of the package (it imports nothing of ours), so
 engines, inputs and callbacks can check an ability without importing strategies.
 
 >>> import keras_dist as kd
 >>> isinstance(kd.MirroredStrategy(["/cpu:0"]).extended, MeshRuntime)
 True
+>>> isinstance(kd.get_strategy(), DistributionStrategy)
+True
 >>> isinstance(kd.get_strategy().extended, OwnsVariables)
 False
 """
 
 import abc
+
+
+class DistributionStrategy(abc.ABC):
+    """A strategy (``kd.Strategy`` derives from it): its ``extended`` object has the abilities."""
+
+    @property
+    @abc.abstractmethod
+    def extended(self):
+        """The ``StrategyExtended`` object: the core contract, and the abilities above."""
 
 
 class OwnsVariables(abc.ABC):

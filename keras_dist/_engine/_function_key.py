@@ -54,6 +54,11 @@ class FunctionKey:
         self._hash = hash(parts)
 
     @property
+    def parts(self) -> tuple:
+        """What the key compares: the function's code and what it captures, each a part."""
+        return self._parts
+
+    @property
     def alive(self) -> bool:
         """False once an object the key refers to is gone (the entry can never match)."""
         return all(part.alive for part in self._parts)
@@ -64,9 +69,9 @@ class FunctionKey:
     def __eq__(self, other):
         return (
             isinstance(other, FunctionKey)
-            and self._hash == other._hash
+            and self._hash == hash(other)
             and self.alive
-            and self._parts == other._parts
+            and self._parts == other.parts
         )
 
 
@@ -133,6 +138,11 @@ class _Contents:
         self._key = (kind, keys, parts)
 
     @property
+    def key(self) -> tuple:
+        """What it is compared by: the container's type, its keys and its parts."""
+        return self._key
+
+    @property
     def alive(self) -> bool:
         return all(part.alive for part in self._parts)
 
@@ -140,7 +150,7 @@ class _Contents:
         return hash(self._key)
 
     def __eq__(self, other):
-        return isinstance(other, _Contents) and self._key == other._key
+        return isinstance(other, _Contents) and self._key == other.key
 
 
 def static_key(value):
@@ -173,6 +183,11 @@ class _Identity:
         self._ref = weakref.ref(value) if weak else (lambda: value)
 
     @property
+    def referent(self):
+        """The object, or ``None`` once it is gone."""
+        return self._ref()
+
+    @property
     def alive(self) -> bool:
         return self._ref() is not None
 
@@ -180,10 +195,10 @@ class _Identity:
         return self._id
 
     def __eq__(self, other):
-        if not isinstance(other, _Identity) or self._id != other._id:
+        if not isinstance(other, _Identity) or self._id != hash(other):
             return False
         mine = self._ref()
-        return mine is not None and mine is other._ref()
+        return mine is not None and mine is other.referent
 
 
 class _Value:
@@ -195,15 +210,22 @@ class _Value:
     def __init__(self, value):
         self._value = value
 
+    @property
+    def value(self):
+        """The value it stands for."""
+        return self._value
+
     def __hash__(self):
         return hash((type(self._value), self._value))
 
     def __eq__(self, other):
+        if not isinstance(other, _Value):
+            return False
+        theirs = other.value
         return (
-            isinstance(other, _Value)
-            and type(self._value) is type(other._value)
-            and self._value == other._value
-            and _same_sign(self._value, other._value)
+            type(self._value) is type(theirs)
+            and self._value == theirs
+            and _same_sign(self._value, theirs)
         )
 
 

@@ -313,24 +313,19 @@ class MultiProcessRunner:
     def _start_monitor(self) -> None:
         if self._monitor is None or not self._monitor.is_alive():
             self._monitor = threading.Thread(
-                target=MultiProcessRunner._watch,
-                args=(weakref.ref(self),),
+                target=_watch,
+                args=(weakref.WeakMethod(self._monitor_round),),
                 name="keras-dist-monitor",
                 daemon=True,
             )
             self._monitor.start()
 
-    @staticmethod
-    def _watch(runner_ref) -> None:
-        # A weak reference: an abandoned runner is still garbage collected (and its tasks
-        # stopped).
-        while True:
-            runner = runner_ref()
-            if runner is None or runner._closed:
-                return
-            runner._supervise()
-            del runner
-            time.sleep(_POLL_INTERVAL)
+    def _monitor_round(self) -> bool:
+        """One round of the monitor thread: supervises, unless closed; whether to go on."""
+        if self._closed:
+            return False
+        self._supervise()
+        return True
 
     def _supervise(self) -> None:
         """Notes exits, restarts failed tasks, and stops everything when it is time."""
@@ -458,6 +453,17 @@ class MultiProcessRunner:
             return self._terminate_grace
         _check_seconds(grace=grace)
         return grace
+
+
+def _watch(weak_round) -> None:
+    """The monitor thread's loop. It holds the runner weakly (a ``WeakMethod``): an
+    abandoned runner is still garbage collected, and its tasks stopped."""
+    while True:
+        monitor_round = weak_round()
+        if monitor_round is None or not monitor_round():
+            return
+        del monitor_round  # the runner is not held while the thread sleeps
+        time.sleep(_POLL_INTERVAL)
 
 
 def _clean_up(processes, workdir) -> None:

@@ -276,7 +276,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
 def _multi_process_extended(model):
     """The model's multi-process mesh strategy's extended API, or None."""
-    extended = getattr(model_strategy(model), "extended", None)
+    strategy = model_strategy(model)
+    extended = None if strategy is None else strategy.extended
     return extended if isinstance(extended, MeshRuntime) and extended.spans_processes else None
 
 

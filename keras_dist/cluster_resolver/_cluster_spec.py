@@ -26,8 +26,7 @@ class ClusterSpec:
 
     def __init__(self, cluster):
         if isinstance(cluster, ClusterSpec):
-            self._cluster = {job: dict(tasks) for job, tasks in cluster._cluster.items()}
-            return
+            cluster = cluster.as_dict()
         if not isinstance(cluster, dict):
             raise TypeError(
                 "`cluster` must be a dict mapping job names to lists of addresses or to "
@@ -54,7 +53,7 @@ class ClusterSpec:
             other = ClusterSpec(other)
         if not isinstance(other, ClusterSpec):
             return NotImplemented
-        return self._cluster == other._cluster
+        return self.as_dict() == other.as_dict()
 
     __hash__ = None
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from keras_dist import _context
+from keras_dist._capabilities import DistributionStrategy
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._context import running_replica_context
 from keras_dist._engine_contract import ReplicaCopies
@@ -31,7 +32,7 @@ from keras_dist.strategies._extended import StrategyExtended
 from keras_dist.strategies._extended import require_cross_replica
 
 
-class Strategy:
+class Strategy(DistributionStrategy):
     """A way to run computation on several devices; the base of every strategy.
 
     Use ``scope()`` to create variables that the strategy distributes,

@@ -24,7 +24,9 @@ class Topology:
 
     Use ``initialize_tpu_system(resolver)`` (or, a keras_dist addition,
     ``Topology.from_devices(devices)`` for GPUs and CPUs), rather than the
-    constructor, which takes TF's arrays and then knows no ``jax.Device``.
+    constructor, which takes TF's arrays and then knows no ``jax.Device``
+    (unless given ``devices``, a keras_dist addition: ``devices[task][i]`` is
+    the device at ``device_coordinates[task, i]``).
 
     >>> import jax
     >>> topology = Topology.from_devices(jax.devices("cpu")[:4])
@@ -34,7 +36,7 @@ class Topology:
     [2, 0, 0, 0]
     """
 
-    def __init__(self, serialized=None, mesh_shape=None, device_coordinates=None):
+    def __init__(self, serialized=None, mesh_shape=None, device_coordinates=None, *, devices=None):
         if serialized is not None:
             raise ValueError(
                 "A serialized TopologyProto is TensorFlow's TPU runtime format, which "
@@ -57,8 +59,15 @@ class Topology:
                 f"{len(self._mesh_shape)}] (one coordinate per mesh dimension). "
                 f"Received: device_coordinates of shape {coordinates.shape}"
             )
+        per_task = [len(task_devices) for task_devices in devices or ()]
+        if devices is not None and per_task != [coordinates.shape[1]] * coordinates.shape[0]:
+            raise ValueError(
+                "`devices` must hold one device per coordinate, "
+                f"[num_tasks][num_tpus_per_task] = {list(coordinates.shape[:2])}. "
+                f"Received: devices per task={per_task}"
+            )
         self._device_coordinates = coordinates
-        self._devices = None  # task -> its devices, when built from devices
+        self._devices = devices  # task -> its devices, when built from devices
         self._at = {
             tuple(int(c) for c in coordinates[task, i]): (task, i)
             for task in range(coordinates.shape[0])
@@ -87,9 +96,8 @@ class Topology:
         tasks = sorted(by_task)
         coordinates = [[_coordinates(d, i) for d, i in by_task[t]] for t in tasks]
         mesh_shape = np.max(np.asarray(coordinates).reshape(-1, _RANK), axis=0) + 1
-        topology = cls(mesh_shape=mesh_shape, device_coordinates=coordinates)
-        topology._devices = [tuple(d for d, _ in by_task[t]) for t in tasks]
-        return topology
+        devices_by_task = [tuple(d for d, _ in by_task[t]) for t in tasks]
+        return cls(mesh_shape=mesh_shape, device_coordinates=coordinates, devices=devices_by_task)
 
     @property
     def mesh_shape(self) -> np.ndarray:

@@ -88,31 +88,16 @@ class Checkpoint:
         >>> [key for key, _ in kd.train.Checkpoint(step=keras.Variable(0)).tracked_objects()]
         ['step']
         """
-        return self._leaves()
+        return _checkpoint_leaves(self, "", set())
 
-    def _leaves(self, prefix: str = "", seen=None) -> list:
-        seen = set() if seen is None else seen
-        if id(self) in seen:
-            return []
-        seen.add(id(self))
-        found = []
-        if self._save_counter is not None:
-            found.append((f"{prefix}save_counter", self._save_counter))
-        for name, obj in self._children.items():
-            found += Checkpoint._walk(f"{prefix}{name}", obj, seen)
-        return found
+    @property
+    def own_objects(self) -> list:
+        """``(name, object)`` for what this checkpoint holds itself, nested ones unopened.
 
-    @staticmethod
-    def _walk(key: str, obj, seen) -> list:
-        if isinstance(obj, Checkpoint):
-            return obj._leaves(f"{key}/", seen)
-        if isinstance(obj, (list, tuple)):
-            items = enumerate(obj)
-        elif isinstance(obj, dict):
-            items = obj.items()
-        else:
-            return [(key, obj)]
-        return [leaf for k, item in items for leaf in Checkpoint._walk(f"{key}/{k}", item, seen)]
+        The save counter once it exists, then the objects it was given.
+        """
+        counter = [] if self._save_counter is None else [("save_counter", self._save_counter)]
+        return counter + list(self._children.items())
 
     @property
     def save_counter(self):
@@ -323,3 +308,28 @@ def _variables_for_restore(checkpoint: Checkpoint, saved: dict, save_path: str) 
                 "(call it on a batch, or `model.build(input_shape)`)."
             )
     return _variables(leaves)
+
+
+def _checkpoint_leaves(checkpoint: Checkpoint, prefix: str, seen: set) -> list:
+    """A checkpoint's ``tracked_objects``; one reached again (a circle) adds nothing."""
+    if id(checkpoint) in seen:
+        return []
+    seen.add(id(checkpoint))
+    return [
+        leaf
+        for name, obj in checkpoint.own_objects
+        for leaf in _leaves(f"{prefix}{name}", obj, seen)
+    ]
+
+
+def _leaves(key: str, obj, seen: set) -> list:
+    """``(key, object)`` for each object under ``obj``: lists, dicts and checkpoints opened."""
+    if isinstance(obj, Checkpoint):
+        return _checkpoint_leaves(obj, f"{key}/", seen)
+    if isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif isinstance(obj, dict):
+        items = obj.items()
+    else:
+        return [(key, obj)]
+    return [leaf for k, item in items for leaf in _leaves(f"{key}/{k}", item, seen)]

@@ -190,6 +190,15 @@ def test_topology_from_coordinates_knows_no_devices():
         TPU.Topology(serialized=b"\x08\x01")
 
 
+def test_topology_given_devices_knows_them():
+    cpus = jax.devices("cpu")[:2]
+    coordinates = [[[0, 0, 0, 0], [1, 0, 0, 0]]]
+    topology = TPU.Topology(mesh_shape=[2, 1, 1, 1], device_coordinates=coordinates, devices=[cpus])
+    assert topology.device_at_coordinates([1, 0, 0, 0]) == cpus[1]
+    with pytest.raises(ValueError, match=r"one device per coordinate, .*\[1, 2\]"):
+        TPU.Topology(mesh_shape=[2, 1, 1, 1], device_coordinates=coordinates, devices=[cpus[:1]])
+
+
 def test_device_assignment_2x2_on_a_line_of_cores():
     topology = TPU.Topology.from_devices(jax.devices("cpu")[:4])
     assignment = TPU.DeviceAssignment.build(topology, [2, 1, 1, 1], num_replicas=2)

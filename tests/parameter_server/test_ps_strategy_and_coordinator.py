@@ -286,6 +286,16 @@ def test_coordinator_basics(coordinator):
     assert coordinator.done()
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: "ps"], ids=["one device", "a string"]
+)
+def test_coordinator_of_anything_but_a_ps_strategy_says_what_to_pass(make):
+    strategy = make()
+    with pytest.raises(ValueError, match=r"ParameterServerStrategy\(cluster_resolver\)") as error:
+        ClusterCoordinator(strategy)
+    assert f"Received: strategy={strategy!r}" in str(error.value)
+
+
 def test_any_python_callable_is_accepted(coordinator):
     # TF accepts only a tf.function here (spec 76); every callable is traced here.
     class Adder:

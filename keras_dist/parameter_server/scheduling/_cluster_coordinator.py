@@ -8,6 +8,7 @@ import weakref
 import jax
 
 from keras_dist import errors
+from keras_dist._capabilities import DistributionStrategy
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._input import InputContext
 from keras_dist.parameter_server.scheduling._closure_queue import Closure
@@ -48,12 +49,14 @@ class ClusterCoordinator:
     """
 
     def __new__(cls, strategy):
-        extended = getattr(strategy, "extended", None)
-        if not isinstance(extended, RemoteScheduling):
+        is_strategy = isinstance(strategy, DistributionStrategy)
+        if not (is_strategy and isinstance(strategy.extended, RemoteScheduling)):
             raise ValueError(
-                "`ClusterCoordinator` works with a `ParameterServerStrategy` only. "
+                "`ClusterCoordinator` works with a `ParameterServerStrategy` only: pass "
+                "`kd.ParameterServerStrategy(cluster_resolver)`. "
                 f"Received: strategy={strategy!r}"
             )
+        extended = strategy.extended
         if extended.coordinator is not None:
             return extended.coordinator
         coordinator = super().__new__(cls)
