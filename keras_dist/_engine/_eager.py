@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from keras_dist import _context
+from keras_dist._engine._tf_summaries import adopt_summary_state
+from keras_dist._engine._tf_summaries import caller_summary_state
 from keras_dist._engine_contract import ReplicaEngine
 from keras_dist._keras import KerasVariable
 from keras_dist._replica_context import ReplicaContext
@@ -48,6 +50,9 @@ class _ReplicaThread(threading.Thread):
         self.error = None
         self.merge_request = None
         self.merge_result = None
+        # Made in the caller's thread: replica 0 writes its tf.summary calls there.
+        records = engine.replica_id(index) == 0
+        self.summary_state = caller_summary_state() if records else None
 
     def run(self):
         self.should_run.wait()
@@ -61,6 +66,7 @@ class _ReplicaThread(threading.Thread):
         replica_id = self.engine.replica_id(self.index)
         context = ReplicaContext(strategy, replica_id, _engine=replica, _eager_index=self.index)
         try:
+            adopt_summary_state(self.summary_state)
             with _context.push(_context.Frame(strategy, context, engine=replica)):
                 with self.engine.thread_context(self):
                     self.result = self.fn(*self.args, **self.kwargs)

@@ -1,5 +1,6 @@
 """Input sources beyond NumPy lists: PyDataset, Grain, generators; and reading ahead."""
 
+import itertools
 import threading
 
 import grain
@@ -66,6 +67,34 @@ def numpy_run():
 )
 def test_fit_on_a_pipeline_equals_fit_on_arrays(numpy_run, make_data, fit_kwargs):
     weights, history = _train(make_data(), **fit_kwargs)
+    np.testing.assert_allclose(history["loss"], numpy_run[1]["loss"], rtol=1e-6)
+    for got, want in zip(weights, numpy_run[0]):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def _sparse_batches(kind):
+    """X's batches of 16, endlessly, as sparse matrices of ``kind`` (the same values)."""
+    for index in itertools.cycle(range(6)):
+        rows = slice(index * 16, (index + 1) * 16)
+        if kind == "scipy":
+            import scipy.sparse
+
+            features = scipy.sparse.csr_matrix(X[rows])
+        elif kind == "jax":
+            from jax.experimental import sparse
+
+            features = sparse.BCOO.fromdense(X[rows])
+        else:
+            tf = pytest.importorskip("tensorflow")
+            features = tf.sparse.from_dense(X[rows])
+        yield features, Y[rows]
+
+
+@pytest.mark.parametrize("kind", ["scipy", "jax", "tensorflow"])
+def test_sparse_inputs_train_as_their_dense_arrays(numpy_run, kind):
+    # Keras's trainer tests feed SciPy, JAX and tf.data sparse batches: each
+    # replica's rows are the dense rows, so the numbers are the arrays'.
+    weights, history = _train(_sparse_batches(kind), steps_per_epoch=6)
     np.testing.assert_allclose(history["loss"], numpy_run[1]["loss"], rtol=1e-6)
     for got, want in zip(weights, numpy_run[0]):
         np.testing.assert_allclose(got, want, atol=1e-6)

@@ -629,6 +629,39 @@ def test_tensorboard_warns_for_what_it_does_not_write():
         TensorBoard("/tmp/unused", update_freq="step")
 
 
+class _SumSummary(keras.layers.Layer):
+    """Writes ``sum(x)`` with ``tf.summary`` from inside the model (Keras's own test does)."""
+
+    def call(self, x):
+        import tensorflow as tf  # only in the test that has it
+
+        # tf.summary.write is a no-op without a writer (Keras traces `call` before fit).
+        tf.summary.write("custom_summary", keras.ops.sum(x))
+        return x
+
+
+def test_summaries_written_inside_replicas_reach_keras_tensorboard_once(tmp_path):
+    # TF's MirroredStrategy hands its writer to the replica threads and records on
+    # replica 0: each step writes the summary once, with one device's step numbers.
+    pytest.importorskip("tensorflow")
+
+    def summary_steps(kind):
+        strategy = _strategy(kind)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((3,)), _SumSummary(), keras.layers.Dense(1)])
+            # tf.summary takes values, not traced arrays: Keras's test runs it this way too.
+            model.compile("sgd", "mse", jit_compile=False)
+        callback = keras.callbacks.TensorBoard(str(tmp_path / kind), update_freq=1)
+        model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, callbacks=[callback], verbose=0)
+        events = EventAccumulator(str(tmp_path / kind / "train"), size_guidance={"tensors": 0})
+        events.Reload()
+        return [(e.step, e.tensor_proto.float_val) for e in events.Tensors("custom_summary")]
+
+    plain = summary_steps("plain")
+    assert len(plain) == 8
+    assert summary_steps("mirrored") == plain
+
+
 # --------------------------------------------------------------------------
 # ModelCheckpoint(save_best_only=True) across a restart (keras-team/keras#17012 and
 # keras-team/tf-keras#430: a restarted run saved its first epoch, however bad).
