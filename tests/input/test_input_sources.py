@@ -72,29 +72,31 @@ def test_fit_on_a_pipeline_equals_fit_on_arrays(numpy_run, make_data, fit_kwargs
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def _sparse_batches(kind):
-    """X's batches of 16, endlessly, as sparse matrices of ``kind`` (the same values)."""
+def _sparse_converter(kind):
+    """A function making a dense batch a sparse matrix of ``kind`` (skips without TensorFlow)."""
+    if kind == "scipy":
+        import scipy.sparse
+
+        return scipy.sparse.csr_matrix
+    if kind == "jax":
+        from jax.experimental import sparse
+
+        return sparse.BCOO.fromdense
+    return pytest.importorskip("tensorflow").sparse.from_dense
+
+
+def _sparse_batches(to_sparse):
+    """X's batches of 16, endlessly, their features sparse (the same values)."""
     for index in itertools.cycle(range(6)):
         rows = slice(index * 16, (index + 1) * 16)
-        if kind == "scipy":
-            import scipy.sparse
-
-            features = scipy.sparse.csr_matrix(X[rows])
-        elif kind == "jax":
-            from jax.experimental import sparse
-
-            features = sparse.BCOO.fromdense(X[rows])
-        else:
-            tf = pytest.importorskip("tensorflow")
-            features = tf.sparse.from_dense(X[rows])
-        yield features, Y[rows]
+        yield to_sparse(X[rows]), Y[rows]
 
 
 @pytest.mark.parametrize("kind", ["scipy", "jax", "tensorflow"])
 def test_sparse_inputs_train_as_their_dense_arrays(numpy_run, kind):
     # Keras's trainer tests feed SciPy, JAX and tf.data sparse batches: each
     # replica's rows are the dense rows, so the numbers are the arrays'.
-    weights, history = _train(_sparse_batches(kind), steps_per_epoch=6)
+    weights, history = _train(_sparse_batches(_sparse_converter(kind)), steps_per_epoch=6)
     np.testing.assert_allclose(history["loss"], numpy_run[1]["loss"], rtol=1e-6)
     for got, want in zip(weights, numpy_run[0]):
         np.testing.assert_allclose(got, want, atol=1e-6)

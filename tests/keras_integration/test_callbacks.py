@@ -38,14 +38,15 @@ SHUFFLE_SEED = 7  # NumPy's global seed before the first fit of a run
 TWO_WORKERS = ClusterSpec({"worker": ["w0:2222", "w1:2222"]})
 
 
-def _strategy(kind):
-    return kd.MirroredStrategy(cpus(2)) if kind == "mirrored" else None
+def _scope(kind):
+    """The scope a ``kind`` model is built in: MirroredStrategy on 2 CPUs, or none (plain)."""
+    if kind == "mirrored":
+        return kd.MirroredStrategy(cpus(2)).scope()
+    return contextlib.nullcontext()
 
 
 def _model(kind, seed=1):
-    strategy = _strategy(kind)
-    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
-    with scope:
+    with _scope(kind):
         keras.utils.set_random_seed(seed)
         model = keras.Sequential(
             [
@@ -646,8 +647,7 @@ def test_summaries_written_inside_replicas_reach_keras_tensorboard_once(tmp_path
     pytest.importorskip("tensorflow")
 
     def summary_steps(kind):
-        strategy = _strategy(kind)
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        with _scope(kind):
             model = keras.Sequential([keras.Input((3,)), _SumSummary(), keras.layers.Dense(1)])
             # tf.summary takes values, not traced arrays: Keras's test runs it this way too.
             model.compile("sgd", "mse", jit_compile=False)
