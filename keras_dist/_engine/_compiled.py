@@ -67,10 +67,11 @@ class ReplicatedOutput:
 class TraceRecord:
     """What one trace found out: outputs, assignments, unknown variables."""
 
-    def __init__(self):
+    def __init__(self, join_large_outputs: bool = False):
         self.assigned: dict = {}
         self.unmapped: dict = {}
         self.out = None
+        self.join_large_outputs = join_large_outputs  # see ``_joins``
 
 
 class _Entry:
@@ -88,7 +89,7 @@ class _Entry:
         self._mirrored = [weakref.ref(v) for v in mirrored]
         self._sync_on_read = [weakref.ref(v) for v in sync_on_read]
         self._foreign = [weakref.ref(v) for v in foreign]
-        self.out_treedef, self.out_layout, self.has_sum, self.stacked_out = record.out
+        self.out_treedef, self.out_layout, self.has_sum, self.joined, self.stacked_out = record.out
 
     def _variables(self, refs) -> list:
         variables = [r() for r in refs]
@@ -117,7 +118,7 @@ class _Entry:
 
     def _outputs(self, arrays, sums, replicated):
         return assemble_outputs(
-            (self.out_treedef, self.out_layout, self.has_sum, self.stacked_out),
+            (self.out_treedef, self.out_layout, self.has_sum, self.joined, self.stacked_out),
             arrays,
             sums,
             replicated,
@@ -127,9 +128,9 @@ class _Entry:
 def assemble_outputs(out_record, arrays, sums, replicated):
     """The replica function's outputs rebuilt from a program's stacked, summed and
     replicated results (``out_record`` is ``TraceRecord.out``)."""
-    out_treedef, out_layout, has_sum, stacked_out = out_record
+    out_treedef, out_layout, has_sum, joined, stacked_out = out_record
     arrays, sums, replicated = iter(arrays), iter(sums), iter(replicated)
-    has_sum = iter(has_sum)
+    has_sum, joined = iter(has_sum), iter(joined)
     leaves = []
     for slot in out_layout:
         if slot is _REPLICATED:
@@ -137,7 +138,10 @@ def assemble_outputs(out_record, arrays, sums, replicated):
         elif slot is not _ARRAY:
             leaves.append(slot)
         elif stacked_out:
-            value = PerReplica(None, _stacked=next(arrays), _validate=False)
+            if next(joined):
+                value = PerReplica(None, _joined=next(arrays), _validate=False)
+            else:
+                value = PerReplica(None, _stacked=next(arrays), _validate=False)
             if next(has_sum):
                 value.replica_sum = next(sums)
             leaves.append(value)
@@ -284,7 +288,7 @@ class CompiledEngine:
             state = extended.variable_state()
             mirrored, sync_on_read = state.mirrored, state.sync_on_read
             foreign = list(self._foreign.values())
-            record = TraceRecord()
+            record = TraceRecord(join_large_outputs=self._joins_large_outputs())
             body = self.replica_body(
                 fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record
             )
@@ -307,6 +311,11 @@ class CompiledEngine:
             )
         self.check_assignments(record, mirrored, sync_on_read)
         return _Entry(extended, traced.lower(), mirrored, sync_on_read, foreign, record)
+
+    def _joins_large_outputs(self) -> bool:
+        # On CPU a component cut out of a stacked output is a copy (or a ~0.5 ms
+        # view): a joined output's shards are its components as they are.
+        return self._extended.placement.local_devices[0].platform == "cpu"
 
     def shard_mapped(self, body, kinds):
         """``replica_body`` over the mesh: state and replicated inputs whole, per-replica
@@ -368,11 +377,12 @@ class CompiledEngine:
                     layout.append(_ARRAY)
                 else:
                     layout.append(leaf)
-            sums = []
+            sums, joined = [], []
             if extended.num_replicas_in_sync > 1:
                 sums = [lax.psum(a, AXIS) if _reduce_in_program(a) else None for a in arrays]
-                arrays = [a[None] for a in arrays]
-            record.out = (out_treedef, layout, [x is not None for x in sums])
+                joined = [record.join_large_outputs and _joins(a) for a in arrays]
+                arrays = [a if join else a[None] for a, join in zip(arrays, joined)]
+            record.out = (out_treedef, layout, [x is not None for x in sums], joined)
             sums = [x for x in sums if x is not None]
             return new_mirrored, new_sync_on_read, arrays, sums, replicated
 
@@ -467,6 +477,16 @@ def output_value(x):
 # all-reduce joins the gradients' one, and ``strategy.reduce`` of them then costs
 # no further multi-device execution (which is a round trip per step on CPU).
 _IN_PROGRAM_REDUCE_MAX_ELEMENTS = 16
+
+
+# From this size a replica's output leaves as its rows of one joined ``(replicas * rows,
+# ...)`` array, not a stacked ``(replicas, rows, ...)`` one: reading the components is
+# free, and stacking them to feed them back is the copy that reading would have cost.
+_JOIN_BYTES = 1 << 20
+
+
+def _joins(array) -> bool:
+    return array.ndim >= 1 and array.size * array.dtype.itemsize >= _JOIN_BYTES
 
 
 def _reduce_in_program(array) -> bool:

@@ -7,6 +7,9 @@ A distributed value is held in one of three forms, whichever is at hand:
 * a *stacked* global ``jax.Array`` of shape ``(num_replicas, *shape)`` split
   over the strategy's mesh along ``"replica"`` (what the compiled engine and the
   input pipeline produce: one buffer per device, no copies);
+* a *joined* global ``jax.Array`` of shape ``(num_replicas * rows, ...)``,
+  each replica's component one shard of it (large outputs of a compiled step on
+  CPU: a shard *is* its component, no copy; ``stacked`` is made when asked);
 * a *traced* local value inside a compiled ``merge_call``: the calling
   replica's tracer, whose other components are reached through collectives.
 
@@ -35,7 +38,16 @@ class DistributedValues:
     (1.0, 2.0)
     """
 
-    def __init__(self, values, *, _stacked=None, _replicated=None, _traced=None, _validate=True):
+    def __init__(
+        self,
+        values,
+        *,
+        _stacked=None,
+        _joined=None,
+        _replicated=None,
+        _traced=None,
+        _validate=True,
+    ):
         if values is not None:
             values = tuple(values)
             if _validate:
@@ -43,6 +55,7 @@ class DistributedValues:
                     _check_component(component)
         self._components = values
         self._stacked = _stacked  # PerReplica: (num_replicas, ...) split on the mesh
+        self._joined = _joined  # PerReplica: (num_replicas * rows, ...) split on the mesh
         self._replicated = _replicated  # Mirrored: one value replicated on the mesh
         self._traced = _traced  # a `_TracedValue` inside a compiled merge_call
         self._sum = None  # the replicas' sum, when the compiled step computed it
@@ -57,6 +70,8 @@ class DistributedValues:
                 self._components = self._traced.all_components()
             elif self._replicated is not None:
                 self._components = replicated_components(self._replicated)
+            elif self._joined is not None:
+                self._components = shard_components(self._joined)
             else:
                 self._components = unstack_result(self._stacked)
         return self._components
@@ -65,6 +80,8 @@ class DistributedValues:
     @property
     def stacked(self):
         """The components as one ``(num_replicas, ...)`` array split on the mesh, or ``None``."""
+        if self._stacked is None and self._joined is not None:
+            self._stacked = stack_shards(self._joined)
         return self._stacked
 
     def cache_stacked(self, stacked) -> None:
@@ -287,6 +304,24 @@ def unstack_result(stacked) -> tuple:
     return tuple(
         jax.device_put(np.asarray(shard.data)[0], shard.device, may_alias=True) for shard in shards
     )
+
+
+def shard_components(joined: jax.Array) -> tuple:
+    """The local components of a joined ``(num_replicas * rows, ...)`` array: its shards."""
+    shards = [s for s in joined.addressable_shards if s.replica_id == 0]
+    shards.sort(key=lambda s: s.index[0].start or 0)
+    return tuple(shard.data for shard in shards)
+
+
+def stack_shards(joined: jax.Array) -> jax.Array:
+    """A joined array as the stacked ``(num_replicas, rows, ...)`` one (a copy per device)."""
+    rows = joined.sharding.shard_shape(joined.shape)[0]
+    arrays = [_add_replica_axis(shard.data) for shard in joined.addressable_shards]
+    shape = (joined.shape[0] // rows, rows) + joined.shape[1:]
+    return jax.make_array_from_single_device_arrays(shape, joined.sharding, arrays)
+
+
+_add_replica_axis = jax.jit(lambda rows: rows[None])
 
 
 def replicated_components(array: jax.Array) -> tuple:

@@ -164,3 +164,56 @@ def test_large_gradients_join_one_all_reduce_after_compilation():
     assert len([line for line in compiled.splitlines() if " all-reduce(" in line]) == 1
     # Every replica's gradient of sum(w) is 1, summed over 4 replicas.
     np.testing.assert_allclose(weights[0].numpy(), np.full((300, 300), 1 - 0.4), rtol=1e-6)
+
+
+def _two_cores_a_replica():
+    topology = kd.tpu.experimental.Topology.from_devices(jax.devices("cpu")[:4])
+    assignment = kd.tpu.experimental.DeviceAssignment.build(
+        topology, computation_shape=[2, 1, 1, 1], num_replicas=2
+    )
+    return kd.MirroredStrategy(experimental_device_assignment=assignment)
+
+
+@pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: kd.MirroredStrategy(cpus(4)), _two_cores_a_replica],
+    ids=["4-replicas", "2-cores-a-replica"],
+)
+def test_large_outputs_are_their_programs_shards_and_feed_back_as_stacked_ones(make_strategy):
+    # On CPU a replica's output of 1 MiB or more leaves the program as its rows of
+    # one joined array: each shard is a component as it is (cutting one out of a
+    # stacked array is a copy). Fed back to `run` or `reduce`, it is stacked then.
+    strategy = make_strategy()
+    n = strategy.num_replicas_in_sync
+    rows = (np.arange(600 * 500) % 97).astype("float32").reshape(600, 500)  # 1.2 MB
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: rows + ctx.replica_id_in_sync_group
+    )
+
+    def step(x):
+        ctx = kd.get_replica_context()
+        return {"large": x * 2.0, "summed": ctx.all_reduce("SUM", x), "small": x[0, :4]}
+
+    out = strategy.run(step, args=(value,))
+    (entry,) = _entries(strategy)
+    lowered = entry.lowered.as_text()
+    assert f"tensor<{n * 600}x500xf32>" in lowered  # joined: every replica's 600 rows
+    assert f"tensor<{n}x4xf32>" in lowered  # small outputs stay stacked
+    large = strategy.experimental_local_results(out["large"])
+    assert [c.devices() for c in large] == [{d} for d in strategy.extended.local_devices]
+    for i, component in enumerate(large):
+        np.testing.assert_array_equal(component, (rows + i) * 2.0)
+    for component in strategy.experimental_local_results(out["summed"]):
+        np.testing.assert_array_equal(component, rows * n + sum(range(n)))
+    np.testing.assert_array_equal(
+        strategy.experimental_local_results(out["small"])[-1], rows[0, :4] + n - 1
+    )
+    again = strategy.run(lambda x: x + 1.0, args=(out["large"],))
+    for i, component in enumerate(strategy.experimental_local_results(again)):
+        np.testing.assert_array_equal(component, (rows + i) * 2.0 + 1.0)
+    total = sum((rows + i) * 2.0 for i in range(n))
+    np.testing.assert_array_equal(strategy.reduce("SUM", out["large"], axis=None), total)
+    np.testing.assert_allclose(
+        strategy.reduce("MEAN", out["large"], axis=0), total.sum(0) / (n * 600), rtol=1e-6
+    )
+    assert out["large"].stacked.shape == (n, 600, 500)
