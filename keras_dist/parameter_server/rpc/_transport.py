@@ -241,6 +241,16 @@ class _TokenCheck(grpc.ServerInterceptor):
         return self._refusal
 
 
+_RECONNECT_GRACE_SECONDS = 1.5  # the longest reconnect backoff (1 s), jitter and margin
+
+
+def _never_connected(exc: grpc.RpcError) -> bool:
+    """Whether a call failed before its request left: no connection to the task."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
+        exc.details() or ""
+    )
+
+
 class RpcClient:
     """Calls one task. Thread-safe; one channel per client.
 
@@ -273,11 +283,26 @@ class RpcClient:
         own error otherwise.
         """
         request = _wire.encode(header, arrays, blob)
-        token = self._token if self._token is not None else cluster_token()
+        metadata = (
+            (TOKEN_METADATA_KEY, self._token if self._token is not None else cluster_token()),
+        )
         try:
-            reply = self._method(request, timeout=timeout, metadata=((TOKEN_METADATA_KEY, token),))
+            reply = self._method(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            raise self._translate(exc, header) from None
+            if not _never_connected(exc):
+                raise self._translate(exc, header) from None
+            # The channel may still be waiting out its reconnect backoff (up to 1 s)
+            # from while the task was down: a restarted task is reached if it serves
+            # within the grace. The request was never sent, so sending it is safe.
+            try:
+                reply = self._method(
+                    request,
+                    timeout=min(timeout, _RECONNECT_GRACE_SECONDS),
+                    metadata=metadata,
+                    wait_for_ready=True,
+                )
+            except grpc.RpcError:
+                raise self._translate(exc, header) from None
         reply_header, reply_arrays, reply_blob = _wire.decode(reply)
         raise_if_error(reply_header)
         return reply_header, reply_arrays, reply_blob

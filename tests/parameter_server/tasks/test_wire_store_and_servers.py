@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import keras
@@ -386,3 +387,23 @@ def test_a_task_started_by_hand_without_the_token_says_so(monkeypatch, caplog):
         assert "This task has no KERAS_DIST_CLUSTER_TOKEN itself" in caplog.text
     finally:
         ps.stop()
+
+
+def test_a_task_restarted_at_its_address_is_reached_at_once():
+    # While a task is down, every failed connection lengthens the channel's wait
+    # before its next try (to 1 s); a call in that wait must still reach the task
+    # that came back, not fail at once as if it were still gone.
+    address = _cluster()["ps"][0]
+    client = RpcClient(address, name="/job:ps/replica:0/task:0")
+    down = time.monotonic()
+    while time.monotonic() - down < 1.5:  # failed tries until the wait is at its longest
+        with pytest.raises(errors.UnavailableError):
+            client.call({"op": "ping"}, timeout=5)
+    server = RpcServer(address, lambda header, arrays, blob: ({"pong": True}, [], b""), name="ps0")
+    server.start()
+    try:
+        header, _, _ = client.call({"op": "ping"}, timeout=5)
+        assert header == {"pong": True}
+    finally:
+        server.stop()
+        client.close()
