@@ -1,6 +1,6 @@
 """Values that have one component per replica: ``PerReplica`` and ``Mirrored``.
 
-A distributed value is held in one of three forms, whichever is at hand:
+A distributed value is held in one of four forms, whichever is at hand:
 
 * ``components``: one array per local replica, each on its replica's device
   (the eager engine's form, and the only one possible when shapes differ);

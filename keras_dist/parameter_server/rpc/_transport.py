@@ -294,13 +294,11 @@ class RpcClient:
             # The channel may still be waiting out its reconnect backoff (up to 1 s)
             # from while the task was down: a restarted task is reached if it serves
             # within the grace. The request was never sent, so sending it is safe.
+            grace = _RECONNECT_GRACE_SECONDS
+            if timeout is not None:
+                grace = min(timeout, grace)
             try:
-                reply = self._method(
-                    request,
-                    timeout=min(timeout, _RECONNECT_GRACE_SECONDS),
-                    metadata=metadata,
-                    wait_for_ready=True,
-                )
+                reply = self._method(request, timeout=grace, metadata=metadata, wait_for_ready=True)
             except grpc.RpcError:
                 raise self._translate(exc, header) from None
         reply_header, reply_arrays, reply_blob = _wire.decode(reply)
