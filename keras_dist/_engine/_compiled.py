@@ -45,6 +45,7 @@ from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._replica_context import ReplicaContext
 from keras_dist._values import DistributedValues
 from keras_dist._values import PerReplica
+from keras_dist._values._distributed_values import LARGE_COMPONENT_BYTES
 from keras_dist._values._variables import DistributedVariable
 
 _MAX_TRACES_PER_SIGNATURE = 4
@@ -479,14 +480,11 @@ def output_value(x):
 _IN_PROGRAM_REDUCE_MAX_ELEMENTS = 16
 
 
-# From this size a replica's output leaves as its rows of one joined ``(replicas * rows,
-# ...)`` array, not a stacked ``(replicas, rows, ...)`` one: reading the components is
-# free, and stacking them to feed them back is the copy that reading would have cost.
-_JOIN_BYTES = 1 << 20
-
-
 def _joins(array) -> bool:
-    return array.ndim >= 1 and array.size * array.dtype.itemsize >= _JOIN_BYTES
+    # A large output leaves as its rows of one joined ``(replicas * rows, ...)`` array,
+    # not a stacked ``(replicas, rows, ...)`` one: reading the components is free, and
+    # stacking them to feed them back is the copy that reading would have cost.
+    return array.ndim >= 1 and array.size * array.dtype.itemsize >= LARGE_COMPONENT_BYTES
 
 
 def _reduce_in_program(array) -> bool:

@@ -269,17 +269,25 @@ def unstack(stacked: jax.Array) -> tuple:
         return tuple(stacked)  # a host batch not yet placed
     if isinstance(stacked, jax.core.Tracer):
         return tuple(stacked[i] for i in range(stacked.shape[0]))  # inside a kd.function
-    # A replica spanning several cores holds a copy on each: one per replica is kept.
-    shards = [s for s in stacked.addressable_shards if s.replica_id == 0]
+    return tuple(_first_row(shard.data) for shard in _replica_shards(stacked))
+
+
+def _replica_shards(array: jax.Array) -> list:
+    """One shard per local replica of an array split along ``"replica"``, in replica order.
+
+    A replica spanning several cores holds a copy on each: one per replica is kept.
+    """
+    shards = [s for s in array.addressable_shards if s.replica_id == 0]
     shards.sort(key=lambda s: s.index[0].start or 0)
-    return tuple(_first_row(shard.data) for shard in shards)
+    return shards
 
 
 # One cached program: 7 µs a call, where `shard.data[0]` op by op costs 75 µs.
 _first_row = jax.jit(lambda row: row[0])
 
-# From this size a ready CPU result's components are views rather than copies.
-_VIEW_BYTES = 1 << 20
+# From this size a CPU component is not copied to be read: a ready stacked result's
+# components are views, and a compiled step's outputs leave the program joined.
+LARGE_COMPONENT_BYTES = 1 << 20
 
 
 def unstack_result(stacked) -> tuple:
@@ -291,16 +299,15 @@ def unstack_result(stacked) -> tuple:
     """
     if not isinstance(stacked, jax.Array) or isinstance(stacked, jax.core.Tracer):
         return unstack(stacked)
-    shards = [s for s in stacked.addressable_shards if s.replica_id == 0]
+    shards = _replica_shards(stacked)
     if (
         not shards
         or shards[0].device.platform != "cpu"
-        or shards[0].data.nbytes < _VIEW_BYTES
+        or shards[0].data.nbytes < LARGE_COMPONENT_BYTES
         or jax.dtypes.issubdtype(stacked.dtype, jax.dtypes.extended)  # PRNG keys: no NumPy form
         or not stacked.is_ready()
     ):
         return unstack(stacked)
-    shards.sort(key=lambda s: s.index[0].start or 0)
     return tuple(
         jax.device_put(np.asarray(shard.data)[0], shard.device, may_alias=True) for shard in shards
     )
@@ -308,9 +315,7 @@ def unstack_result(stacked) -> tuple:
 
 def shard_components(joined: jax.Array) -> tuple:
     """The local components of a joined ``(num_replicas * rows, ...)`` array: its shards."""
-    shards = [s for s in joined.addressable_shards if s.replica_id == 0]
-    shards.sort(key=lambda s: s.index[0].start or 0)
-    return tuple(shard.data for shard in shards)
+    return tuple(shard.data for shard in _replica_shards(joined))
 
 
 def stack_shards(joined: jax.Array) -> jax.Array:
