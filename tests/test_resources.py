@@ -88,18 +88,60 @@ class _RaiseAtSecondBatch(keras.callbacks.Callback):
             raise RuntimeError("stop here")
 
 
+class _Batches(keras.utils.PyDataset):
+    """Batches of ``x`` and ``y`` from a ``PyDataset``: an input ``fit`` reads ahead."""
+
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return len(self.x) // self.batch_size
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[rows], self.y[rows]
+
+
+class _ReadAheadThreads(keras.callbacks.Callback):
+    """The read-ahead threads alive at the end of each training batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.counts.append(_prefetch_threads())
+
+
+def test_fit_reads_ahead_from_a_py_dataset_but_slices_arrays_in_memory_when_needed():
+    strategy = kd.MirroredStrategy(cpus(2))
+    model = _model(strategy)
+    x, y = _data()
+    _settled_thread_count()
+    from_arrays, from_dataset = _ReadAheadThreads(), _ReadAheadThreads()
+    model.fit(x, y, batch_size=8, callbacks=[from_arrays], verbose=0)
+    model.fit(_Batches(x, y, 8), callbacks=[from_dataset], verbose=0)
+    assert from_arrays.counts == [0] * 12
+    # One thread reads ahead from the start; it ends once it has read the last batch.
+    assert len(from_dataset.counts) == 12 and from_dataset.counts[0] == 1
+    assert set(from_dataset.counts) <= {0, 1}
+
+
 def test_fit_closes_its_read_ahead_however_the_loop_ends():
     strategy = kd.MirroredStrategy(cpus(2))
     model = _model(strategy)
     x, y = _data()
     before = _settled_thread_count()
-    model.fit(x, y, batch_size=8, epochs=2, steps_per_epoch=3, verbose=0)
-    model.fit(x, y, batch_size=8, epochs=3, callbacks=[_StopAfterTwoBatches()], verbose=0)
-    model.evaluate(x, y, batch_size=8, steps=2, verbose=0)
-    y_nan = np.full_like(x, np.nan)
-    model.fit(y_nan, y, batch_size=8, callbacks=[keras.callbacks.TerminateOnNaN()], verbose=0)
+    model.fit(_Batches(x, y, 8), epochs=2, steps_per_epoch=3, verbose=0)
+    model.fit(_Batches(x, y, 8), epochs=3, callbacks=[_StopAfterTwoBatches()], verbose=0)
+    model.evaluate(_Batches(x, y, 8), steps=2, verbose=0)
+    x_nan = np.full_like(x, np.nan)
+    terminate = keras.callbacks.TerminateOnNaN()
+    model.fit(_Batches(x_nan, y, 8), callbacks=[terminate], verbose=0)
+    assert model.stop_training
     with pytest.raises(RuntimeError, match="stop here"):
-        model.fit(x, y, batch_size=8, callbacks=[_RaiseAtSecondBatch()], verbose=0)
+        model.fit(_Batches(x, y, 8), callbacks=[_RaiseAtSecondBatch()], verbose=0)
     # The raised error's traceback still holds the loop's frames: the loop closed
     # its readers itself (their threads end within a poll), nothing was collected.
     end = time.monotonic() + 5

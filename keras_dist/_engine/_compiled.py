@@ -33,6 +33,9 @@ from keras_dist import _context
 from keras_dist._engine._compiled_replica import CompiledReplica
 from keras_dist._engine._compiled_replica import is_input_leaf
 from keras_dist._engine._compiled_replica import local_part as _local_part
+from keras_dist._engine._donation import StoredOutputs
+from keras_dist._engine._donation import copy_shared_buffers
+from keras_dist._engine._donation import copy_shared_storage
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._retracing import RetraceMonitor
@@ -87,32 +90,37 @@ class _Entry:
         self.extended = extended
         self.lowered = lowered  # kept for inspection: tests count collectives in it
         self.compiled = lowered.compile()
-        self._mirrored = [weakref.ref(v) for v in mirrored]
-        self._sync_on_read = [weakref.ref(v) for v in sync_on_read]
-        self._foreign = [weakref.ref(v) for v in foreign]
+        # Every threaded variable, mirrored ones first, then SyncOnRead, then foreign.
+        self._refs = [weakref.ref(v) for v in (*mirrored, *sync_on_read, *foreign)]
+        self._bounds = (len(mirrored), len(mirrored) + len(sync_on_read))
         self.out_treedef, self.out_layout, self.has_sum, self.joined, self.stacked_out = record.out
+        self._stored = StoredOutputs()
 
-    def _variables(self, refs) -> list:
-        variables = [r() for r in refs]
-        if any(v is None for v in variables):
+    def _variables(self) -> tuple:
+        """The threaded variables as ``(mirrored, sync_on_read, foreign)`` lists."""
+        variables = [r() for r in self._refs]
+        if any(v is None for v in variables):  # (not ``in``: a variable's ``==`` is an op)
             raise _StaleEntry()
-        return variables
+        first, second = self._bounds
+        return variables[:first], variables[first:second], variables[second:]
 
     def __call__(self, dynamic):
         extended = self.extended
-        mirrored_variables = self._variables(self._mirrored)
-        sync_on_read_variables = self._variables(self._sync_on_read)
-        foreign_variables = self._variables(self._foreign)
-        mirrored = [extended.compute_value(v) for v in mirrored_variables]
-        copy_shared_storage(mirrored_variables, mirrored)
+        mirrored_variables, sync_on_read_variables, foreign_variables = self._variables()
+        mirrored = [v.stored() for v in mirrored_variables]
+        if not self._stored.unchanged(mirrored):
+            mirrored = [extended.compute_value(v) for v in mirrored_variables]
+            copy_shared_storage(mirrored_variables, mirrored)
         sync_on_read = [v.stored() for v in sync_on_read_variables]
         copy_shared_buffers(mirrored, sync_on_read, dynamic)  # an argument may alias state
         foreign = [extended.placement.replicate(v.value) for v in foreign_variables]
         new_mirrored, new_sync_on_read, outputs, sums, replicated = extended.placement.execute(
             self.compiled, mirrored, sync_on_read, foreign, dynamic
         )
+        store = extended.store_computed
         for variable, value in zip(mirrored_variables, new_mirrored):
-            extended.store_computed(variable, value)
+            store(variable, value)
+        self._stored.remember([v.stored() for v in mirrored_variables], new_mirrored)
         for variable, value in zip(sync_on_read_variables, new_sync_on_read):
             variable.store(value)
         return self._outputs(outputs, sums, replicated)
@@ -151,33 +159,6 @@ def assemble_outputs(out_record, arrays, sums, replicated):
     return jax.tree_util.tree_unflatten(out_treedef, leaves)
 
 
-def copy_shared_storage(variables, values) -> None:
-    """Copies ``values[i]`` where ``variables[i]`` stores the same array as an earlier one.
-
-    A variable assigned from another (an EMA slot set to its model variable) stores the
-    very same array; on one device ``compute_value`` wraps each in a new ``jax.Array``
-    around that one buffer, which donation would then be handed twice.
-    """
-    seen = set()
-    for i, variable in enumerate(variables):
-        key = id(variable.stored())
-        if key in seen:
-            values[i] = jnp.copy(values[i])
-        seen.add(key)
-
-
-def copy_shared_buffers(*lists):
-    """Donation needs distinct buffers; a variable assigned from another shares one."""
-    if len({id(v) for values in lists for v in values}) == sum(map(len, lists)):
-        return
-    seen = set()
-    for values in lists:
-        for i, value in enumerate(values):
-            if id(value) in seen:
-                values[i] = jnp.copy(value)
-            seen.add(id(value))
-
-
 class ProgramCache:
     """Compiled programs by key, the least recently used dropped beyond ``size``.
 
@@ -193,25 +174,30 @@ class ProgramCache:
     def __init__(self, size: int):
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self._size = size
+        self._newest = None  # the program at the end of the order
 
     def get(self, key):
         program = self._programs.get(key)
-        if program is not None:
-            self._programs.move_to_end(key)
+        if program is not None and program is not self._newest:
+            self._programs.move_to_end(key)  # a second lookup: not when it is last already
+            self._newest = program
         return program
 
     def put(self, key, program) -> None:
         self._programs[key] = program
+        self._newest = program
         if len(self._programs) > self._size:
             self._programs.popitem(last=False)
 
     def discard(self, key) -> None:
         self._programs.pop(key, None)
+        self._newest = None
 
     def drop_dead_functions(self) -> None:
         """Forgets programs of functions that are gone (their model was dropped)."""
         for key in [k for k in self._programs if not k[0].alive]:
             del self._programs[key]
+        self._newest = None
 
     def values(self) -> list:
         return list(self._programs.values())

@@ -25,7 +25,8 @@ import numpy as np
 
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
-from keras_dist._engine._compiled import copy_shared_buffers
+from keras_dist._engine._donation import StoredOutputs
+from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._gate import GATE
@@ -63,6 +64,7 @@ class _Program:
         # How each variable is read and written back, decided once: a step's host
         # work is this loop, so it should not ask each variable what it is.
         self._access = [_state_access(v, extendeds) for v in state]
+        self._stored = StoredOutputs()
 
     def current(self) -> bool:
         alive = all(r() is not None for r in self._state)
@@ -70,7 +72,9 @@ class _Program:
 
     def __call__(self, dynamic):
         state = [r() for r in self._state]
-        values = [read(v) for (read, _), v in zip(self._access, state)]
+        values = [_held(v) for v in state]
+        if not self._stored.unchanged(values):  # else the arrays this program's last call left
+            values = [read(v) for (read, _), v in zip(self._access, state)]
         copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
         if self._mesh is not None:
             # As the strategy runs its programs: across processes under the peer
@@ -80,6 +84,7 @@ class _Program:
             new_state, outputs = GATE.call(False, self.compiled, values, dynamic)
         for (_, write), variable, value in zip(self._access, state, new_state):
             write(variable, value)
+        self._stored.remember([_held(v) for v in state], new_state)
         outputs = _rebuild(self.out_treedef, self.out_layout, outputs)
         return local_only(outputs) if self.cut_to_local else outputs
 
@@ -111,6 +116,13 @@ def _state_access(variable, extendeds):
         extended = variable.distribute_strategy.extended
         return extended.compute_value, extended.store_computed
     return functools.partial(_state_value, extendeds=extendeds), _store_state
+
+
+def _held(variable):
+    """The array a variable holds as it is (a SyncOnRead one: its stacked components)."""
+    if isinstance(variable, DistributedVariable):
+        return variable.stored()
+    return variable.value  # a Keras variable's (a cast copy under autocast: never the same)
 
 
 def _state_value(variable, extendeds):

@@ -26,6 +26,8 @@ def _is_tf_sparse(x) -> bool:
 
 
 def _is_sparse(x) -> bool:
+    if type(x) is np.ndarray:  # the common case, once per leaf of every batch
+        return False
     if isinstance(x, jax_sparse.JAXSparse) or _is_tf_sparse(x):
         return True
     # SciPy's sparse classes, without importing SciPy when it is not used.
@@ -51,6 +53,6 @@ def _dense(x):
 def densify(batch):
     """``batch`` with every sparse array replaced by its dense NumPy array."""
     leaves = jax.tree_util.tree_leaves(batch, is_leaf=_is_sparse)
-    if not any(_is_sparse(leaf) for leaf in leaves):
+    if not any(map(_is_sparse, leaves)):
         return batch
     return jax.tree_util.tree_map(_dense, batch, is_leaf=_is_sparse)

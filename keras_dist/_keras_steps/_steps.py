@@ -172,7 +172,7 @@ class DistributedSteps:
             splits = [self._split(data) for data in batches]
             if _same_even_layout(splits):
                 rows = tuple(_nonempty_rows(data, "`model.fit`") for data in batches)
-                return self._logs(self._run(multi_step, splits, rows))
+                return self._logs(self._run(multi_step, splits, rows), uneven=False)
         logs = None
         for data, split in zip(batches, splits):
             logs = step(data, split)
@@ -182,16 +182,17 @@ class DistributedSteps:
     def _train_batch(self, data, split=None):
         rows = _nonempty_rows(data, "`model.fit`")
         split = self._split(data) if split is None else split
-        if self._is_uneven(split):
+        uneven = _had_uneven(split)
+        if uneven and self._runs_uneven_steps():
             return self._uneven.train(split, rows)
         logs = self._run(self._replica_train_step, split, rows)
-        return self._logs(logs)
+        return self._logs(logs, uneven)
 
-    def _is_uneven(self, split) -> bool:
-        """A batch that does not split evenly, outside debugging (``run_eagerly``)."""
+    def _runs_uneven_steps(self) -> bool:
+        """Whether an uneven batch runs as per-shape programs (not while debugging)."""
         if self.model.run_eagerly or not self.model.jit_compile:
             return False
-        return _had_uneven(split) and self._uneven.supports(self.model)
+        return self._uneven.supports(self.model)
 
     def _replica_train_step(self, data, global_rows):
         model = self.model
@@ -209,10 +210,11 @@ class DistributedSteps:
     def _test_batch(self, data, split=None):
         _nonempty_rows(data, "`model.evaluate` (or `fit`'s validation)")
         split = self._split(data) if split is None else split
-        if self._is_uneven(split):
+        uneven = _had_uneven(split)
+        if uneven and self._runs_uneven_steps():
             return self._uneven.test(split)
         logs = self._run(self._replica_test_step, split)
-        return self._logs(logs)
+        return self._logs(logs, uneven)
 
     def _replica_test_step(self, data):
         model = self.model
@@ -222,9 +224,10 @@ class DistributedSteps:
         _assign(model.metrics_variables, new_state[2])
         return _replicated_logs(logs)
 
-    def _logs(self, per_replica_logs):
-        """Logs of a compiled step are aggregated in it; eager ones are read after."""
-        if _had_uneven(per_replica_logs) or self.model.run_eagerly or not self.model.jit_compile:
+    def _logs(self, per_replica_logs, uneven: bool):
+        """Logs of a compiled step are aggregated in it; eager ones (also those of an
+        ``uneven`` batch, which runs eagerly here) are read after."""
+        if uneven or self.model.run_eagerly or not self.model.jit_compile:
             return self.model.get_metrics_result()
         return jax.tree_util.tree_map(
             _first_component, per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)
