@@ -115,6 +115,39 @@ def test_donated_state_survives_a_shared_buffer():
     np.testing.assert_array_equal(b.numpy(), [1.0, 1.0])
 
 
+@pytest.mark.parametrize("as_function", [False, True], ids=["run", "kd.function"])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_program_called_again_sees_every_write_made_between_its_calls(as_function, devices):
+    # A program called again on the arrays its last call stored skips their checks;
+    # a write between its calls (a new value, or another variable's very array) must not.
+    strategy = kd.MirroredStrategy(cpus(devices))
+    with strategy.scope():
+        a = keras.Variable(np.ones((2,), "float32"), aggregation="mean")
+        b = keras.Variable(np.full((2,), 10.0, "float32"), aggregation="mean")
+
+    def replica_step():
+        a.assign_add(np.ones((2,), "float32"))
+        b.assign_add(np.ones((2,), "float32"))
+        return a.value + b.value
+
+    def step():
+        return strategy.run(replica_step)
+
+    step = kd.function(step) if as_function else step
+
+    def total():
+        return [float(np.asarray(v)[0]) for v in strategy.experimental_local_results(step())]
+
+    assert total() == [13.0] * devices  # a 2, b 11
+    assert total() == [15.0] * devices  # a 3, b 12: the arrays it left
+    b.assign(a)  # b now holds a's very array: donation needs a copy of it
+    assert total() == [8.0] * devices  # a 4, b 4
+    a.assign(np.full((2,), 7.0, "float32"))
+    assert total() == [13.0] * devices  # a 8, b 5
+    np.testing.assert_array_equal(a.numpy(), [8.0, 8.0])
+    np.testing.assert_array_equal(b.numpy(), [5.0, 5.0])
+
+
 @pytest.mark.stress
 def test_two_thousand_compiled_steps_with_collectives_do_not_abort():
     # Overlapping collective executions abort on simulated CPU devices (docs/architecture.md).
