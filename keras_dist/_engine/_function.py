@@ -64,6 +64,7 @@ class _Program:
         # How each variable is read and written back, decided once: a step's host
         # work is this loop, so it should not ask each variable what it is.
         self._access = [_state_access(v, extendeds) for v in state]
+        self._held = [_holding(v) for v in state]
         self._stored = StoredOutputs()
 
     def current(self) -> bool:
@@ -72,7 +73,7 @@ class _Program:
 
     def __call__(self, dynamic):
         state = [r() for r in self._state]
-        values = [_held(v) for v in state]
+        values = [held(v) for held, v in zip(self._held, state)]
         if not self._stored.unchanged(values):  # else the arrays this program's last call left
             values = [read(v) for (read, _), v in zip(self._access, state)]
         copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
@@ -84,7 +85,7 @@ class _Program:
             new_state, outputs = GATE.call(False, self.compiled, values, dynamic)
         for (_, write), variable, value in zip(self._access, state, new_state):
             write(variable, value)
-        self._stored.remember([_held(v) for v in state], new_state)
+        self._stored.remember([held(v) for held, v in zip(self._held, state)], new_state)
         outputs = _rebuild(self.out_treedef, self.out_layout, outputs)
         return local_only(outputs) if self.cut_to_local else outputs
 
@@ -118,11 +119,19 @@ def _state_access(variable, extendeds):
     return functools.partial(_state_value, extendeds=extendeds), _store_state
 
 
-def _held(variable):
-    """The array a variable holds as it is (a SyncOnRead one: its stacked components)."""
+def _holding(variable):
+    """How to read the array ``variable`` holds as it is (unbound, like ``_state_access``).
+
+    A distributed variable's stored array (a SyncOnRead one: its stacked
+    components); a Keras variable's value (a cast copy under autocast: never the same).
+    """
     if isinstance(variable, DistributedVariable):
-        return variable.stored()
-    return variable.value  # a Keras variable's (a cast copy under autocast: never the same)
+        return type(variable).stored
+    return _keras_value
+
+
+def _keras_value(variable):
+    return variable.value
 
 
 def _state_value(variable, extendeds):
@@ -255,10 +264,12 @@ class Function:
         inside = inside or _context.current_frame().engine is not None  # in a replica's run
         if inside or _config.functions_run_eagerly():
             return self.python_function(*args, **kwargs)  # already traced: inline
-        # A distributed iterator (TF's `train_step(iterator)` with `next(iterator)`
-        # inside): its next element is read here and becomes an input of the program.
-        args, kwargs = _with_next_elements((args, kwargs))
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_argument_leaf)
+        if any(isinstance(x, DistributedIterator) for x in leaves):
+            # TF's `train_step(iterator)` with `next(iterator)` inside: the iterator's
+            # next element is read here and becomes an input of the program.
+            args, kwargs = _with_next_elements((args, kwargs))
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_argument_leaf)
         kinds, dynamic, signature, statics = [], [], [], []
         for index, leaf in enumerate(leaves):
             kind, array = _classify(leaf)
@@ -407,11 +418,7 @@ class _NextElement:
 
 def _with_next_elements(structure):
     """``structure`` with each distributed iterator in it replaced by its next element."""
-    leaves, treedef = jax.tree_util.tree_flatten(
-        structure, is_leaf=lambda x: isinstance(x, DistributedIterator) or _is_argument_leaf(x)
-    )
-    if not any(isinstance(x, DistributedIterator) for x in leaves):
-        return structure
+    leaves, treedef = jax.tree_util.tree_flatten(structure, is_leaf=_is_argument_leaf)
     leaves = [_NextElement(next(x)) if isinstance(x, DistributedIterator) else x for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
