@@ -67,16 +67,10 @@ class StoredOutputs:
     def remember(self, stored: list, outputs: list) -> None:
         """Notes ``stored`` (what the variables hold now) if it is the program's ``outputs``
         themselves (a strategy that keeps variables elsewhere stores copies)."""
-        if len(stored) == len(outputs) and all(a is b for a, b in zip(stored, outputs)):
-            self._refs = [weakref.ref(a) for a in stored]
-        else:
-            self._refs = None
+        same = all(a is b for a, b in zip(stored, outputs))
+        self._refs = [weakref.ref(a) for a in stored] if same else None
 
     def unchanged(self, stored: list) -> bool:
-        """Whether ``stored`` are the very arrays last remembered, in order."""
+        """Whether ``stored`` (one program's variables, in order) are the arrays remembered."""
         refs = self._refs
-        return (
-            refs is not None
-            and len(refs) == len(stored)
-            and all(r() is a for r, a in zip(refs, stored))
-        )
+        return refs is not None and all(r() is a for r, a in zip(refs, stored))
