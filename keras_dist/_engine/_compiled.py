@@ -38,6 +38,7 @@ from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._donation import copy_shared_storage
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
+from keras_dist._engine._gate import GATE
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import RecordingScope
@@ -105,6 +106,9 @@ class _Entry:
         return variables[:first], variables[first:second], variables[second:]
 
     def __call__(self, dynamic):
+        # A step ``fit`` left running (``GATE.deferring``) ends before its results
+        # are read, copied or placed here.
+        GATE.wait()
         extended = self.extended
         mirrored_variables, sync_on_read_variables, foreign_variables = self._variables()
         mirrored = [v.stored() for v in mirrored_variables]

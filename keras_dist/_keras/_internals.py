@@ -33,6 +33,7 @@ from keras.src.optimizers import loss_scale_optimizer
 from keras.src.saving import saving_lib
 from keras.src.trainers import trainer as base_trainer
 from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.utils import python_utils
 
 SUPPORTED_KERAS = ">=3.15,<3.16"
 
@@ -46,6 +47,10 @@ JaxOptimizer = jax_optimizer.JaxOptimizer
 LossScaleOptimizer = loss_scale_optimizer.LossScaleOptimizer
 BatchNormalization = batch_normalization.BatchNormalization
 ModelCheckpoint = keras.callbacks.ModelCheckpoint
+CallbackList = keras.callbacks.CallbackList
+History = keras.callbacks.History
+ProgbarLogger = keras.callbacks.ProgbarLogger
+is_default = python_utils.is_default
 Distribution = distribution_lib.Distribution
 initialize_all_variables = common_variables.initialize_all_variables
 unpack_x_y_sample_weight = data_adapter_utils.unpack_x_y_sample_weight
@@ -53,7 +58,9 @@ unpack_x_y_sample_weight = data_adapter_utils.unpack_x_y_sample_weight
 __all__ = [
     "BaseOptimizer",
     "BatchNormalization",
+    "CallbackList",
     "Distribution",
+    "History",
     "JAXEpochIterator",
     "JAXTrainer",
     "JaxOptimizer",
@@ -61,6 +68,7 @@ __all__ = [
     "KerasVariable",
     "LossScaleOptimizer",
     "ModelCheckpoint",
+    "ProgbarLogger",
     "StatelessScope",
     "Trainer",
     "check",
@@ -69,6 +77,7 @@ __all__ = [
     "get_stateless_scope",
     "global_state",
     "initialize_all_variables",
+    "is_default",
     "jax_trainer_module",
     "loss_module",
     "saving_lib",
@@ -122,6 +131,8 @@ SYMBOLS = (
     Symbol(Trainer, "compile", ("self",)),
     Symbol(Trainer, "__init__", ("self",)),
     Symbol(data_adapter_utils, "unpack_x_y_sample_weight", ("data",)),
+    # Which callbacks run code between two steps.
+    Symbol(python_utils, "is_default", ("method",)),
     # State threading.
     Symbol(StatelessScope, "__init__", ("self", "state_mapping", "collect_losses")),
     Symbol(StatelessScope, "add_update", ("self", "update")),

@@ -16,9 +16,13 @@ from typing import Protocol
 
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._keras._internals import CallbackList
+from keras_dist._keras._internals import History
 from keras_dist._keras._internals import JAXEpochIterator
 from keras_dist._keras._internals import JAXTrainer
+from keras_dist._keras._internals import ProgbarLogger
 from keras_dist._keras._internals import Trainer
+from keras_dist._keras._internals import is_default
 from keras_dist._keras._internals import jax_trainer_module
 from keras_dist._keras._variable_hooks import is_strategy_distribution
 
@@ -52,6 +56,13 @@ class TrainingIntegration(Protocol):
     def reading(self):
         """A context for one loop: readers it opened are closed when it ends, however."""
 
+    def steps_run_on(self, quiet: bool):
+        """A context for one loop: with ``quiet`` (nothing of the user's runs between two
+        steps) a compiled step may still run when its step function returns."""
+
+    def wait_for_steps(self) -> None:
+        """Waits for a step still running (before Keras reads the metrics)."""
+
 
 def _in_strategy() -> bool:
     return is_strategy_distribution(_context.keras_distribution())
@@ -66,10 +77,13 @@ def _wrap_loop(original, training):
     def loop(self, *args, **kwargs):
         arguments = signature.bind(self, *args, **kwargs).arguments
         _require_steps_for_endless_inputs(arguments)
+        quiet = original.__name__ in ("fit", "evaluate") and quiet_between_steps(
+            arguments.get("callbacks")
+        )
         if original.__name__ == "fit":
             with _fitting_with(self, arguments.get("callbacks")):
-                return _run_loop(self, original, training, args, kwargs)
-        return _run_loop(self, original, training, args, kwargs)
+                return _run_loop(self, original, training, quiet, args, kwargs)
+        return _run_loop(self, original, training, quiet, args, kwargs)
 
     loop._keras_dist_hook = True
     return loop
@@ -94,7 +108,34 @@ def fit_callbacks(model) -> tuple:
     return getattr(model, "_keras_dist_fit_callbacks", ())
 
 
-def _run_loop(self, original, training, args, kwargs):
+def quiet_between_steps(callbacks) -> bool:
+    """Whether no callback runs code of its own between two steps of a loop.
+
+    Keras's ``History`` and progress bar only read the logs (a copy to the host).
+    ``callbacks`` is what ``fit`` or ``evaluate`` was given (a list, or the
+    ``CallbackList`` that ``fit`` hands its validation ``evaluate``).
+    """
+    if isinstance(callbacks, CallbackList):
+        callbacks = callbacks.callbacks
+    if callbacks is None:
+        return True
+    if not isinstance(callbacks, (list, tuple)):
+        return False
+    return all(
+        isinstance(callback, (History, ProgbarLogger))
+        or all(is_default(getattr(callback, hook, None)) for hook in _BATCH_HOOKS)
+        for callback in callbacks
+    )
+
+
+_BATCH_HOOKS = tuple(
+    f"on_{loop}batch_{when}"
+    for loop in ("", "train_", "test_", "predict_")
+    for when in ("begin", "end")
+)
+
+
+def _run_loop(self, original, training, quiet, args, kwargs):
     strategy = training.model_strategy(self)
     if strategy is None:
         training.check_fit_context(self)
@@ -108,7 +149,7 @@ def _run_loop(self, original, training, args, kwargs):
             # pieces of each global batch).
             if isinstance(strategy.extended, MeshRuntime):
                 strategy.extended.agree_on_host_random_state()
-        with strategy.scope(), training.reading():
+        with strategy.scope(), training.reading(), training.steps_run_on(quiet):
             return original(self, *args, **kwargs)
 
 
@@ -252,9 +293,10 @@ def _wrap_enumerate_iterator(original):
     return enumerate_iterator
 
 
-def _wrap_get_metrics_result(original):
+def _wrap_get_metrics_result(original, training):
     @functools.wraps(original)
     def get_metrics_result(self):
+        training.wait_for_steps()  # the metrics are a running step's results
         frame = _context.current_frame()
         replica_context = frame.replica_context
         if replica_context is not None and frame.engine is not None and frame.engine.compiled:
@@ -319,6 +361,6 @@ def install_trainer_hook(training: TrainingIntegration) -> None:
     JAXEpochIterator._enumerate_iterator = _wrap_enumerate_iterator(
         JAXEpochIterator._enumerate_iterator
     )
-    Trainer.get_metrics_result = _wrap_get_metrics_result(Trainer.get_metrics_result)
+    Trainer.get_metrics_result = _wrap_get_metrics_result(Trainer.get_metrics_result, training)
     Trainer.compile = _wrap_compile(Trainer.compile, training)
     Trainer.__init__ = _wrap_init(Trainer.__init__)

@@ -18,6 +18,8 @@ from keras_dist._keras_steps._steps import DistributedSteps as DistributedSteps
 from keras_dist._keras_steps._steps import check_fit_context as check_fit_context
 from keras_dist._keras_steps._steps import check_same_batches_on_every_worker
 from keras_dist._keras_steps._steps import model_strategy as model_strategy
+from keras_dist._keras_steps._steps import steps_run_on
+from keras_dist._keras_steps._steps import wait_for_steps
 from keras_dist._keras_steps._value_and_grad import value_and_grad as value_and_grad
 from keras_dist.config import _switches as _config
 
@@ -27,6 +29,8 @@ class _KerasIntegration:
 
     model_strategy = staticmethod(model_strategy)
     check_fit_context = staticmethod(check_fit_context)
+    steps_run_on = staticmethod(steps_run_on)
+    wait_for_steps = staticmethod(wait_for_steps)
 
     @staticmethod
     def make_steps(model, strategy):

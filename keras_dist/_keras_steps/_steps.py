@@ -17,9 +17,16 @@ every replica through ``strategy.run``:
   replica processing only real rows (the eager engine runs it): losses and
   every metric (AUC, Precision, ...) equal one device's. ``predict`` pads the
   batch and drops the padding: one output row per input row.
+* On several CPU devices a compiled step has ended when its step function
+  returns (``_engine/_gate.py``), except in a loop whose callbacks run nothing
+  between two steps (``steps_run_on``): there Keras's host work until the next
+  step overlaps the running one, and reading the metrics waits for it.
 
 Keras's trainer reaches these steps through the hooks in ``_keras._trainer``.
 """
+
+import contextlib
+import threading
 
 import jax
 import numpy as np
@@ -27,6 +34,7 @@ import numpy as np
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._engine import ReplicatedOutput
+from keras_dist._engine._gate import GATE
 from keras_dist._input import GlobalBatchSplitter
 from keras_dist._input import batch_rows
 from keras_dist._input import densify
@@ -127,6 +135,30 @@ def check_same_batches_on_every_worker(extended, layout) -> None:
     )
 
 
+class _LoopState(threading.local):
+    quiet = False  # the loop running on this thread runs nothing between two steps
+
+
+_LOOP = _LoopState()
+
+
+@contextlib.contextmanager
+def steps_run_on(quiet: bool):
+    """One Keras loop; with ``quiet`` its compiled steps may still run when a step
+    function returns. Whatever ends the loop, the last step has ended after it."""
+    previous, _LOOP.quiet = _LOOP.quiet, quiet
+    try:
+        yield
+    finally:
+        _LOOP.quiet = previous
+        GATE.wait()
+
+
+def wait_for_steps() -> None:
+    """Waits for a step still running (Keras reads the metrics, a step's results)."""
+    GATE.wait()
+
+
 class DistributedSteps:
     """The train/test/predict functions Keras's loops call, for one model and strategy."""
 
@@ -160,7 +192,11 @@ class DistributedSteps:
     def _run(self, fn, *args):
         """``strategy.run``; eagerly when the model was compiled with ``run_eagerly=True``."""
         if self.model.run_eagerly or not self.model.jit_compile:
+            GATE.wait()
             return self.strategy.extended.call_for_each_replica(fn, args, {}, eagerly=True)
+        if _LOOP.quiet:
+            with GATE.deferring():
+                return self.strategy.run(fn, args=args)
         return self.strategy.run(fn, args=args)
 
     def _loop(self, step, multi_step, iterator):
@@ -184,6 +220,7 @@ class DistributedSteps:
         split = self._split(data) if split is None else split
         uneven = _had_uneven(split)
         if uneven and self._runs_uneven_steps():
+            GATE.wait()
             return self._uneven.train(split, rows)
         logs = self._run(self._replica_train_step, split, rows)
         return self._logs(logs, uneven)
@@ -212,6 +249,7 @@ class DistributedSteps:
         split = self._split(data) if split is None else split
         uneven = _had_uneven(split)
         if uneven and self._runs_uneven_steps():
+            GATE.wait()
             return self._uneven.test(split)
         logs = self._run(self._replica_test_step, split)
         return self._logs(logs, uneven)
