@@ -42,7 +42,7 @@ def test_build_fit_delete_rounds_keep_models_ps_keys_and_worker_programs_flat():
     worker = next(s for s in servers if s.job_name == "worker").service
     rng = np.random.default_rng(0)
     x, y = rng.random((64, 8), dtype=np.float32), rng.integers(0, 3, 64)
-    rounds = []
+    rounds, thread_names = [], []
     for _ in range(8):
         with strategy.scope():
             model = keras.Sequential(
@@ -73,6 +73,7 @@ def test_build_fit_delete_rounds_keep_models_ps_keys_and_worker_programs_flat():
                 threading.active_count(),
             )
         )
+        thread_names.append({t.name for t in threading.enumerate()})
     assert held_keys > 0  # a live model's variables were on the ps
     steps, variables, keys, programs, dropped, arrays, threads = zip(*rounds)
     assert set(steps) == {0} and set(variables) == {0} and set(keys) == {0}, rounds
@@ -81,6 +82,8 @@ def test_build_fit_delete_rounds_keep_models_ps_keys_and_worker_programs_flat():
     # The coordinator forgets a freed program once no worker holds it.
     assert max(dropped) <= 1, rounds
     assert max(arrays[2:]) <= 1.2 * max(arrays[1], 1), rounds
-    # A thread pool may start one more thread when it first runs two requests at
-    # once; a thread kept per round would add 6 over these rounds.
-    assert threads[-1] - threads[1] <= 1, rounds
+    # A thread pool (gRPC's server, the ps client) may start a thread or two more when
+    # it first runs requests at once, sooner on a loaded machine; a thread kept per
+    # round would add 6 over these rounds.
+    started = sorted(thread_names[-1] - thread_names[1])
+    assert threads[-1] - threads[1] <= 3, (rounds, started)
