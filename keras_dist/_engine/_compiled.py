@@ -119,7 +119,7 @@ class _Entry:
         copy_shared_buffers(mirrored, sync_on_read, dynamic)  # an argument may alias state
         foreign = [extended.placement.replicate(v.value) for v in foreign_variables]
         new_mirrored, new_sync_on_read, outputs, sums, replicated = extended.placement.execute(
-            self.compiled, mirrored, sync_on_read, foreign, dynamic
+            self.compiled, mirrored, sync_on_read, foreign, dynamic, may_run_on=True
         )
         store = extended.store_computed
         for variable, value in zip(mirrored_variables, new_mirrored):

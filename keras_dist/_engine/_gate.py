@@ -9,9 +9,9 @@ runs: each device admits a bounded number of programs in flight, and a device's
 share of the collective program, launched late, can find its device full of
 programs waiting on it. So every multi-device execution of keras_dist goes
 through ``call``, which waits for the previous one before dispatching and for
-this one before returning. Only ``deferring`` lets one run on when ``call``
-returns: for a training loop that dispatches nothing in between (the next
-``call``, ``wait`` or the end of ``deferring`` waits for it). On accelerators
+this one before returning. Only ``deferring`` lets a compiled step's program run
+on when ``call`` returns: for a training loop that dispatches nothing in between
+(the next ``call`` or ``wait`` waits for it). On accelerators
 ``call`` only dispatches.
 """
 
@@ -35,14 +35,19 @@ class ExecutionGate:
         self._in_flight = None
         self._deferring = threading.local()
 
-    def call(self, serialize: bool, fn, *args):
+    def call(self, serialize: bool, fn, *args, may_run_on: bool = False):
+        """``fn(*args)``: serialized with every other call when ``serialize``.
+
+        With ``may_run_on`` (a compiled step's program) the execution may still
+        run when this returns, within ``deferring`` only.
+        """
         if not serialize:
             return fn(*args)
         with self._lock:
             self._wait()
             out = fn(*args)
             self._in_flight = _first_array(out)
-            if not getattr(self._deferring, "on", False):
+            if not (may_run_on and getattr(self._deferring, "on", False)):
                 self._wait()
             return out
 
@@ -55,12 +60,13 @@ class ExecutionGate:
 
     @contextlib.contextmanager
     def deferring(self):
-        """Within, the last execution this thread dispatches may still run after ``call``.
+        """Within, a step's program this thread dispatches may still run after ``call``.
 
-        For a caller that dispatches nothing else before its next ``call``
-        (Keras's loop between two compiled steps): its host work then overlaps
-        the running step. Whatever runs next and may read the step's results
-        must call ``wait`` first.
+        For a caller that dispatches nothing else before its next step (Keras's
+        loop between two compiled steps): its host work then overlaps the running
+        step. Whatever runs next and may read the step's results must call
+        ``wait`` first. Other executions (reductions, eager replicas) still end
+        before their ``call`` returns.
         """
         previous = getattr(self._deferring, "on", False)
         self._deferring.on = True

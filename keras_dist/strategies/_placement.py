@@ -83,11 +83,12 @@ class Placement:
         """Whether multi-device executions run one at a time here (several CPU devices)."""
         return self._serialize
 
-    def execute(self, fn, *args):
-        """Runs a multi-device program: one in flight at a time where jaxlib needs it."""
+    def execute(self, fn, *args, may_run_on: bool = False):
+        """Runs a multi-device program: where jaxlib needs it, it has ended when this
+        returns (a step's program, ``may_run_on``, not always: ``_engine/_gate.py``)."""
         if self._executor is not None and self._serialize:
-            return GATE.call(True, self._executor, fn, *args)
-        return GATE.call(self._serialize, fn, *args)
+            return GATE.call(True, self._executor, fn, *args)  # the executor waits for it
+        return GATE.call(self._serialize, fn, *args, may_run_on=may_run_on)
 
     # ------------------------------------------------------------- placement
     def put(self, value, sharding):
