@@ -168,6 +168,9 @@ class DistributedSteps:
         self._split = GlobalBatchSplitter(strategy.extended, on_host=True)
         self._predict_rows = None
         self._uneven = PerShapeSteps(model, strategy)
+        # Only where executions are serialized (several CPU devices) is there a wait to defer.
+        extended = strategy.extended
+        self._serialized = isinstance(extended, MeshRuntime) and extended.placement.serializes
         # One function object each, so that the compiled engine caches their programs.
         self._train_steps = _multi_step(self._replica_train_step, with_rows=True)
         self._test_steps = _multi_step(self._replica_test_step, with_rows=False)
@@ -194,7 +197,7 @@ class DistributedSteps:
         if self.model.run_eagerly or not self.model.jit_compile:
             GATE.wait()
             return self.strategy.extended.call_for_each_replica(fn, args, {}, eagerly=True)
-        if _LOOP.quiet:
+        if self._serialized and _LOOP.quiet:
             with GATE.deferring():
                 return self.strategy.run(fn, args=args)
         return self.strategy.run(fn, args=args)
