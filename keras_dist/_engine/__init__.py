@@ -13,6 +13,7 @@ engine is declared in ``keras_dist/_engine_contract.py``. (Keras's steps compile
 per replica shape, for ``fit``'s uneven batches, are ``_keras_steps/_per_shape_steps.py``.)
 """
 
+from keras_dist._engine._compiled import MISSED as MISSED
 from keras_dist._engine._compiled import CompiledEngine as CompiledEngine
 from keras_dist._engine._compiled import ReplicatedOutput as ReplicatedOutput
 from keras_dist._engine._eager import EagerEngine as EagerEngine

@@ -128,6 +128,10 @@ SYMBOLS = (
     Symbol(JAXEpochIterator, "_get_iterator", ("self",)),
     Symbol(JAXEpochIterator, "_enumerate_iterator", ("self",)),
     Symbol(Trainer, "get_metrics_result", ("self",)),
+    *(
+        Symbol(CallbackList, f"on_{kind}_batch_end", ("self", "batch", "logs"))
+        for kind in ("train", "test", "predict")
+    ),
     Symbol(Trainer, "compile", ("self",)),
     Symbol(Trainer, "__init__", ("self",)),
     Symbol(data_adapter_utils, "unpack_x_y_sample_weight", ("data",)),

@@ -33,6 +33,7 @@ import numpy as np
 
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._engine import MISSED
 from keras_dist._engine import ReplicatedOutput
 from keras_dist._engine._gate import GATE
 from keras_dist._input import GlobalBatchSplitter
@@ -43,6 +44,7 @@ from keras_dist._keras import execution_batches
 from keras_dist._keras import replaced_methods
 from keras_dist._keras import step_state
 from keras_dist._keras_steps._per_shape_steps import PerShapeSteps
+from keras_dist._keras_steps._repeated_steps import RepeatedSteps
 from keras_dist._values import PerReplica
 from keras_dist._values._variables import DistributedVariable
 from keras_dist._values._variables import MirroredVariable
@@ -168,6 +170,7 @@ class DistributedSteps:
         self._split = GlobalBatchSplitter(strategy.extended, on_host=True)
         self._predict_rows = None
         self._uneven = PerShapeSteps(model, strategy)
+        self._repeated = RepeatedSteps(strategy.extended)
         # Only where executions are serialized (several CPU devices) is there a wait to defer.
         extended = strategy.extended
         self._serialized = isinstance(extended, MeshRuntime) and extended.placement.serializes
@@ -194,18 +197,25 @@ class DistributedSteps:
 
     def _run(self, fn, *args):
         """``strategy.run``; eagerly when the model was compiled with ``run_eagerly=True``."""
-        if self.model.run_eagerly or not self.model.jit_compile:
+        if self._runs_eagerly():
             GATE.wait()
             return self.strategy.extended.call_for_each_replica(fn, args, {}, eagerly=True)
+        with self._may_run_on():
+            return self.strategy.run(fn, args=args)
+
+    def _runs_eagerly(self) -> bool:
+        return self.model.run_eagerly or not self.model.jit_compile
+
+    def _may_run_on(self):
+        """Within, a step's program may still run when the step returns (``steps_run_on``)."""
         if self._serialized and _LOOP.quiet:
-            with GATE.deferring():
-                return self.strategy.run(fn, args=args)
-        return self.strategy.run(fn, args=args)
+            return GATE.deferring()
+        return contextlib.nullcontext()
 
     def _loop(self, step, multi_step, iterator):
         batches = self._batches(iterator)
         splits = [None] * len(batches)  # each step splits its own batch
-        if len(batches) > 1 and not (self.model.run_eagerly or not self.model.jit_compile):
+        if len(batches) > 1 and not self._runs_eagerly():
             # ``steps_per_execution``: the steps of equal, even batches run as one
             # compiled call, as Keras's jitted multi-step function and TF's do.
             splits = [self._split(data) for data in batches]
@@ -219,6 +229,9 @@ class DistributedSteps:
 
     # ------------------------------------------------------------------ train
     def _train_batch(self, data, split=None):
+        logs = self._run_repeated("train", data, split)
+        if logs is not MISSED:
+            return logs
         rows = _nonempty_rows(data, "`model.fit`")
         split = self._split(data) if split is None else split
         uneven = _had_uneven(split)
@@ -226,11 +239,23 @@ class DistributedSteps:
             GATE.wait()
             return self._uneven.train(split, rows)
         logs = self._run(self._replica_train_step, split, rows)
+        self._learn_repeated("train", data, uneven, self._replica_train_step, split, rows)
         return self._logs(logs, uneven)
+
+    def _run_repeated(self, name, data, split):
+        """A step's results from its program kept for ``data``'s layout, or ``MISSED``."""
+        if split is not None or self._runs_eagerly():
+            return MISSED  # (a split batch is one of ``steps_per_execution``'s)
+        return self._repeated.run(name, data, within=self._may_run_on)
+
+    def _learn_repeated(self, name, data, uneven, fn, *args):
+        """Keeps the program ``strategy.run(fn, args)`` just ran for ``data``'s layout."""
+        if not (uneven or self._runs_eagerly()):
+            self._repeated.learn(name, data, fn, args)
 
     def _runs_uneven_steps(self) -> bool:
         """Whether an uneven batch runs as per-shape programs (not while debugging)."""
-        if self.model.run_eagerly or not self.model.jit_compile:
+        if self._runs_eagerly():
             return False
         return self._uneven.supports(self.model)
 
@@ -248,6 +273,9 @@ class DistributedSteps:
 
     # ------------------------------------------------------------------- test
     def _test_batch(self, data, split=None):
+        logs = self._run_repeated("test", data, split)
+        if logs is not MISSED:
+            return logs
         _nonempty_rows(data, "`model.evaluate` (or `fit`'s validation)")
         split = self._split(data) if split is None else split
         uneven = _had_uneven(split)
@@ -255,6 +283,7 @@ class DistributedSteps:
             GATE.wait()
             return self._uneven.test(split)
         logs = self._run(self._replica_test_step, split)
+        self._learn_repeated("test", data, uneven, self._replica_test_step, split)
         return self._logs(logs, uneven)
 
     def _replica_test_step(self, data):
@@ -268,7 +297,7 @@ class DistributedSteps:
     def _logs(self, per_replica_logs, uneven: bool):
         """Logs of a compiled step are aggregated in it; eager ones (also those of an
         ``uneven`` batch, which runs eagerly here) are read after."""
-        if uneven or self.model.run_eagerly or not self.model.jit_compile:
+        if uneven or self._runs_eagerly():
             return self.model.get_metrics_result()
         return jax.tree_util.tree_map(
             _first_component, per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)

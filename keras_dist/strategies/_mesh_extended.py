@@ -18,6 +18,7 @@ from keras_dist._capabilities import MeshRuntime
 from keras_dist._cross_device_ops import CrossDeviceOps
 from keras_dist._cross_device_ops import select_cross_device_ops
 from keras_dist._devices import device_name
+from keras_dist._engine import MISSED
 from keras_dist._engine import CompiledEngine
 from keras_dist._engine import EagerEngine
 from keras_dist._engine import LogicalDevicesEngine
@@ -192,6 +193,32 @@ class MeshExtended(StrategyExtended, MeshRuntime):
             if _has_uneven_components((args, kwargs)):
                 return self._uneven.run(fn, args, kwargs)
             return self._compiled.run(fn, args, kwargs)
+
+    def repeat_call(self, fn, args):
+        """``run(fn, args)``'s compiled program as a ``RepeatCall`` for new per-replica
+        inputs of the same layout, or ``None`` (see ``CompiledEngine.repeat_call``)."""
+        if not self._runs_compiled_now():
+            return None
+        return self._compiled.repeat_call(fn, tuple(args), {})
+
+    def run_again(self, call, stacked):
+        """``call(stacked)`` where ``run`` would run the compiled engine now, else ``MISSED``."""
+        if not self._runs_compiled_now():
+            return MISSED
+        with self._lock:
+            return call(stacked)
+
+    def _runs_compiled_now(self) -> bool:
+        """Whether ``run`` here goes to the compiled engine: in this strategy's
+        cross-replica context, outside any trace, and not run eagerly."""
+        frame = _context.current_frame()
+        return (
+            frame.replica_context is None
+            and frame.engine is None
+            and _context.current_function_trace() is None
+            and _context.other_strategy_in_scope(self._container_strategy()) is None
+            and not _config.functions_run_eagerly()
+        )
 
     # --------------------------------------------- reductions and broadcasts
     @property

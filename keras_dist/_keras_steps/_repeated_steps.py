@@ -1,0 +1,80 @@
+"""``fit``'s steps on batches of a layout they ran before, without ``strategy.run``'s work.
+
+Keras's loop calls one train step on batch after batch of one layout. Through
+``strategy.run`` each step splits its batch, flattens and sorts the inputs and
+builds the program's cache key: about 50 µs of host time, a few percent of a
+small model's step. After a layout's first batch ran that way, its program is
+kept with the layout (structure, shapes and dtypes of the NumPy batch), and the
+next batches of that layout go to it as stacked rows directly. Anything else
+(another layout, a partial batch, a changed variable set, a trace in progress,
+several processes) goes through ``strategy.run`` as before.
+"""
+
+import contextlib
+
+import jax
+import numpy as np
+
+from keras_dist._engine import MISSED
+
+
+class RepeatedSteps:
+    """Kept step programs by ``(step name, batch layout)``; one per model and strategy.
+
+    >>> import keras_dist as kd
+    >>> steps = RepeatedSteps(kd.OneDeviceStrategy("/cpu:0").extended)
+    >>> steps.run("train", (np.zeros((4, 2)),)) is MISSED  # no layout has run yet
+    True
+    """
+
+    def __init__(self, extended):
+        self._extended = extended
+        self._replicas = extended.num_replicas_in_sync
+        # Several processes place their rows of a batch as a global array (not here).
+        self._enabled = hasattr(extended, "repeat_call") and not extended.spans_processes
+        self._calls: dict = {}  # layout key -> RepeatCall, or None where none applies
+
+    def run(self, name: str, data, within=contextlib.nullcontext):
+        """Step ``name``'s results on ``data``, or ``MISSED`` where its layout has no program.
+
+        The program runs within the context ``within()`` (``fit`` lets it run on).
+        """
+        if not self._enabled:
+            return MISSED
+        leaves, key = self._layout(name, data)
+        call = self._calls.get(key) if key is not None else None
+        if call is None:
+            return MISSED
+        n = self._replicas
+        stacked = [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]
+        with within():
+            result = self._extended.run_again(call, stacked)
+        if result is MISSED:
+            del self._calls[key]  # variables changed: ``strategy.run`` builds anew
+        return result
+
+    def learn(self, name: str, data, fn, args) -> None:
+        """Keeps the program ``strategy.run(fn, args)`` just ran on ``data`` for its layout."""
+        if not self._enabled:
+            return
+        _, key = self._layout(name, data)
+        if key is None or key in self._calls:
+            return
+        call = self._extended.repeat_call(fn, args)
+        self._calls[key] = call
+        if len(self._calls) > _MAX_LAYOUTS:
+            del self._calls[next(iter(self._calls))]
+
+    def _layout(self, name, data):
+        """``data``'s leaves and its layout key; ``None`` unless every leaf is a NumPy array
+        of rows that split evenly between the replicas."""
+        leaves, treedef = jax.tree_util.tree_flatten(data)
+        n = self._replicas
+        if not leaves or not all(
+            type(x) is np.ndarray and x.ndim and x.shape[0] % n == 0 for x in leaves
+        ):
+            return leaves, None
+        return leaves, (name, treedef, tuple((x.shape, x.dtype) for x in leaves))
+
+
+_MAX_LAYOUTS = 16  # more layouts than this are rare (one per batch shape): oldest forgotten
