@@ -120,9 +120,9 @@ def main():
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(
         f"fit: MirroredStrategy {med['ours']:.0f} steps/s vs hand-written jax.jit loop "
-        f"{med['jit']:.0f} steps/s, ratio {statistics.median(ratios_a):.2f} (target >= 0.9); "
+        f"{med['jit']:.0f} steps/s, ratio {statistics.median(ratios_a):.2f} (target >= 1.2); "
         f"OneDeviceStrategy {med['one']:.0f} steps/s vs plain Keras fit {med['plain']:.0f} "
-        f"steps/s, ratio {statistics.median(ratios_b):.2f} (target >= 0.97) "
+        f"steps/s, ratio {statistics.median(ratios_b):.2f} (target >= 1.0) "
         f"[{mirrored.num_replicas_in_sync} x {jax.devices()[0].platform}, global batch "
         f"{args.batch}, {args.steps} steps/epoch, median of {args.repeats}]"
     )

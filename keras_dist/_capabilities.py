@@ -90,6 +90,15 @@ class MeshRuntime(OwnsVariables):
         """Gives every process the chief's first values (several processes only)."""
 
     @abc.abstractmethod
+    def repeat_call(self, fn, args):
+        """``run(fn, args)``'s compiled program as a ``RepeatCall`` for new per-replica
+        inputs of the same layout, or ``None`` (``_engine/_repeat_call.py``)."""
+
+    @abc.abstractmethod
+    def run_again(self, call, stacked):
+        """``call(stacked)`` where ``run`` would run the compiled engine now, else ``MISSED``."""
+
+    @abc.abstractmethod
     def one_value(self, value):
         """A value every replica holds the same, as one array for cross-replica code."""
 

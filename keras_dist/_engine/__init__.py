@@ -13,7 +13,6 @@ engine is declared in ``keras_dist/_engine_contract.py``. (Keras's steps compile
 per replica shape, for ``fit``'s uneven batches, are ``_keras_steps/_per_shape_steps.py``.)
 """
 
-from keras_dist._engine._compiled import MISSED as MISSED
 from keras_dist._engine._compiled import CompiledEngine as CompiledEngine
 from keras_dist._engine._compiled import ReplicatedOutput as ReplicatedOutput
 from keras_dist._engine._eager import EagerEngine as EagerEngine
@@ -21,5 +20,6 @@ from keras_dist._engine._function import Function as Function
 from keras_dist._engine._function import function as function
 from keras_dist._engine._inline import run_inline as run_inline
 from keras_dist._engine._logical import LogicalDevicesEngine as LogicalDevicesEngine
+from keras_dist._engine._repeat_call import MISSED as MISSED
 from keras_dist._engine._uneven import UnevenEngine as UnevenEngine
 from keras_dist._engine_contract import ReplicaEngine as ReplicaEngine

@@ -20,7 +20,6 @@
   times.)
 """
 
-import collections
 import weakref
 
 import jax
@@ -39,6 +38,9 @@ from keras_dist._engine._donation import copy_shared_storage
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._gate import GATE
+from keras_dist._engine._lru_programs import ProgramCache
+from keras_dist._engine._repeat_call import RepeatCall
+from keras_dist._engine._repeat_call import StaleEntry
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import RecordingScope
@@ -101,7 +103,7 @@ class _Entry:
         """The threaded variables as ``(mirrored, sync_on_read, foreign)`` lists."""
         variables = [r() for r in self._refs]
         if any(v is None for v in variables):  # (not ``in``: a variable's ``==`` is an op)
-            raise _StaleEntry()
+            raise StaleEntry()
         first, second = self._bounds
         return variables[:first], variables[first:second], variables[second:]
 
@@ -163,50 +165,6 @@ def assemble_outputs(out_record, arrays, sums, replicated):
     return jax.tree_util.tree_unflatten(out_treedef, leaves)
 
 
-class ProgramCache:
-    """Compiled programs by key, the least recently used dropped beyond ``size``.
-
-    A key starts with the program's ``FunctionKey`` (see ``program_key``), so the
-    programs of functions that are gone can be forgotten.
-
-    >>> cache = ProgramCache(size=1)
-    >>> cache.put("a", 1); cache.put("b", 2)
-    >>> cache.get("a"), cache.get("b")
-    (None, 2)
-    """
-
-    def __init__(self, size: int):
-        self._programs: collections.OrderedDict = collections.OrderedDict()
-        self._size = size
-        self._newest = None  # the program at the end of the order
-
-    def get(self, key):
-        program = self._programs.get(key)
-        if program is not None and program is not self._newest:
-            self._programs.move_to_end(key)  # a second lookup: not when it is last already
-            self._newest = program
-        return program
-
-    def put(self, key, program) -> None:
-        self._programs[key] = program
-        self._newest = program
-        if len(self._programs) > self._size:
-            self._programs.popitem(last=False)
-
-    def discard(self, key) -> None:
-        self._programs.pop(key, None)
-        self._newest = None
-
-    def drop_dead_functions(self) -> None:
-        """Forgets programs of functions that are gone (their model was dropped)."""
-        for key in [k for k in self._programs if not k[0].alive]:
-            del self._programs[key]
-        self._newest = None
-
-    def values(self) -> list:
-        return list(self._programs.values())
-
-
 def program_key(fn, treedef, statics, signature, extended, foreign) -> tuple:
     """What identifies a replica function's program: ``(function_key, base, full key)``.
 
@@ -217,45 +175,6 @@ def program_key(fn, treedef, statics, signature, extended, foreign) -> tuple:
     function_key = FunctionKey(fn)
     base = (function_key, treedef, tuple(statics), tuple(signature))
     return function_key, base, base + (extended.variable_state().version, len(foreign))
-
-
-class _StaleEntry(Exception):
-    """A cached program whose variables are gone (built again)."""
-
-
-MISSED = object()  # what a ``RepeatCall`` answers when its program no longer applies
-
-
-class RepeatCall:
-    """One cached program, run again on new per-replica inputs of the layout it took.
-
-    A training loop calls one replica function on batch after batch of one
-    layout. ``CompiledEngine.run`` flattens and sorts the inputs and builds the
-    cache key on every call (tens of µs, a few percent of a small step); this
-    keeps the program found once and checks only what would make it the wrong
-    one: the strategy's variable set (its version) and the program's own
-    variables (gone). Then it answers ``MISSED`` and the caller goes through
-    ``run``, which builds the right program.
-    """
-
-    def __init__(self, engine, entry, key):
-        self._engine = engine
-        self._entry = entry
-        *_, self._version, self._foreign_count = key
-        self._code = key[0].code
-
-    def __call__(self, stacked: list):
-        """The replica function's results on ``stacked`` (its per-replica inputs, in order)."""
-        engine = self._engine
-        state = engine._extended.variable_state()
-        if state.version != self._version or len(engine._foreign) != self._foreign_count:
-            return MISSED
-        try:
-            result = self._entry(stacked)
-        except _StaleEntry:
-            return MISSED
-        engine._retraces.hit(self._code)
-        return result
 
 
 class CompiledEngine:
@@ -288,7 +207,7 @@ class CompiledEngine:
                 result = entry(dynamic)
                 self._retraces.hit(function_key.code)
                 return result
-            except _StaleEntry:
+            except StaleEntry:
                 self._cache.discard(key)
         self._cache.drop_dead_functions()
         self._retraces.traced(function_key.code, (function_key, tuple(statics), tuple(signature)))
@@ -298,7 +217,7 @@ class CompiledEngine:
             self._cache.put(key, entry)
             try:
                 return entry(dynamic)
-            except _StaleEntry:
+            except StaleEntry:
                 # Variables of a dropped model, still alive when the state was
                 # taken, were collected while it compiled: build without them.
                 self._cache.discard(key)
@@ -326,7 +245,9 @@ class CompiledEngine:
             return None
         *_, key = program_key(fn, treedef, statics, signature, extended, self._foreign)
         entry = self._cache.get(key)
-        return None if entry is None else RepeatCall(self, entry, key)
+        if entry is None:
+            return None
+        return RepeatCall(entry, key, extended.variable_state, self._foreign, self._retraces)
 
     def _build(self, fn, treedef, leaves, kinds, dynamic):
         extended = self._extended

@@ -15,6 +15,7 @@ import contextlib
 import jax
 import numpy as np
 
+from keras_dist._capabilities import MeshRuntime
 from keras_dist._engine import MISSED
 
 
@@ -31,7 +32,7 @@ class RepeatedSteps:
         self._extended = extended
         self._replicas = extended.num_replicas_in_sync
         # Several processes place their rows of a batch as a global array (not here).
-        self._enabled = hasattr(extended, "repeat_call") and not extended.spans_processes
+        self._enabled = isinstance(extended, MeshRuntime) and not extended.spans_processes
         self._calls: dict = {}  # layout key -> RepeatCall, or None where none applies
 
     def run(self, name: str, data, within=contextlib.nullcontext):
