@@ -193,13 +193,7 @@ class CompiledEngine:
 
     def run(self, fn, args, kwargs):
         extended = self._extended
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_input_leaf)
-        placement = extended.placement
-        kinds, dynamic, signature, statics = sort_inputs(
-            leaves,
-            per_replica=placement.as_stacked,
-            one_value=lambda x: placement.replicate(extended.unwrap_mirrored(x)),
-        )
+        leaves, treedef, (kinds, dynamic, signature, statics) = self._inputs(args, kwargs)
         function_key, _, key = program_key(fn, treedef, statics, signature, extended, self._foreign)
         entry = self._cache.get(key)
         if entry is not None:
@@ -234,13 +228,7 @@ class CompiledEngine:
         per-replica inputs).
         """
         extended = self._extended
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_input_leaf)
-        placement = extended.placement
-        kinds, _, signature, statics = sort_inputs(
-            leaves,
-            per_replica=placement.as_stacked,
-            one_value=lambda x: placement.replicate(extended.unwrap_mirrored(x)),
-        )
+        _, treedef, (kinds, _, signature, statics) = self._inputs(args, kwargs)
         if "m" in kinds:
             return None
         *_, key = program_key(fn, treedef, statics, signature, extended, self._foreign)
@@ -248,6 +236,18 @@ class CompiledEngine:
         if entry is None:
             return None
         return RepeatCall(entry, key, extended.variable_state, self._foreign, self._retraces)
+
+    def _inputs(self, args, kwargs):
+        """``(leaves, treedef, sort_inputs(leaves))`` of a replica function's arguments."""
+        extended = self._extended
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_input_leaf)
+        placement = extended.placement
+        sorted_inputs = sort_inputs(
+            leaves,
+            per_replica=placement.as_stacked,
+            one_value=lambda x: placement.replicate(extended.unwrap_mirrored(x)),
+        )
+        return leaves, treedef, sorted_inputs
 
     def _build(self, fn, treedef, leaves, kinds, dynamic):
         extended = self._extended

@@ -57,6 +57,15 @@ class _Count:
         monkeypatch.setattr(RepeatedSteps, "run", repeat)
 
 
+def _counted_model(replicas, monkeypatch):
+    """``(strategy, count, model)``: ``_model()`` under a Mirrored strategy, its calls counted."""
+    strategy = kd.MirroredStrategy(cpus(replicas))
+    count = _Count(strategy, monkeypatch)
+    with strategy.scope():
+        model = _model()
+    return strategy, count, model
+
+
 @pytest.mark.parametrize("replicas", [1, 4])
 def test_later_batches_of_a_layout_skip_strategy_run_and_give_one_devices_numbers(
     replicas, monkeypatch
@@ -66,10 +75,7 @@ def test_later_batches_of_a_layout_skip_strategy_run_and_give_one_devices_number
     expected = expected_model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
     expected_eval = expected_model.evaluate(x, y, batch_size=32, verbose=0)
 
-    strategy = kd.MirroredStrategy(cpus(replicas))
-    count = _Count(strategy, monkeypatch)
-    with strategy.scope():
-        model = _model()
+    strategy, count, model = _counted_model(replicas, monkeypatch)
     history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
     evaluation = model.evaluate(x, y, batch_size=32, verbose=0)
 
@@ -92,10 +98,7 @@ def test_a_partial_batch_that_splits_unevenly_never_uses_a_kept_program(monkeypa
     expected_model = _model()
     expected = expected_model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
 
-    strategy = kd.MirroredStrategy(cpus(4))
-    count = _Count(strategy, monkeypatch)
-    with strategy.scope():
-        model = _model()
+    strategy, count, model = _counted_model(4, monkeypatch)
     history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
 
     assert count.hits == 2 * 9 - 1  # every full batch but the first
@@ -123,10 +126,7 @@ def test_a_variable_created_during_fit_sends_the_next_step_through_strategy_run(
     expected_model = _model()
     expected = expected_model.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0)
 
-    strategy = kd.MirroredStrategy(cpus(2))
-    count = _Count(strategy, monkeypatch)
-    with strategy.scope():
-        model = _model()
+    strategy, count, model = _counted_model(2, monkeypatch)
     late = _NewVariableAfterFirstEpoch(strategy)
     history = model.fit(x, y, batch_size=30, epochs=2, shuffle=False, verbose=0, callbacks=[late])
 
