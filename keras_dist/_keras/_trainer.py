@@ -122,10 +122,14 @@ def quiet_between_steps(callbacks) -> bool:
     if not isinstance(callbacks, (list, tuple)):
         return False
     return all(
-        isinstance(callback, (History, ProgbarLogger))
-        or all(is_default(getattr(callback, hook, None)) for hook in _BATCH_HOOKS)
+        isinstance(callback, (History, ProgbarLogger)) or _runs_nothing_at(callback, _BATCH_HOOKS)
         for callback in callbacks
     )
+
+
+def _runs_nothing_at(callback, hooks) -> bool:
+    """Whether each of ``callback``'s ``hooks`` is ``Callback``'s empty default."""
+    return all(is_default(getattr(callback, hook, None)) for hook in hooks)
 
 
 _BATCH_HOOKS = tuple(
@@ -361,9 +365,7 @@ def _wrap_batch_end(original, calls):
 
     @functools.wraps(original)
     def on_batch_end(self, batch, logs=None):
-        if _in_strategy() and not any(
-            not is_default(getattr(callback, name)) for callback in self.callbacks for name in calls
-        ):
+        if _in_strategy() and all(_runs_nothing_at(c, calls) for c in self.callbacks):
             return None
         return original(self, batch, logs)
 
