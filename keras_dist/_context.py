@@ -133,6 +133,23 @@ def function_trace(trace):
     return set_for_block(_state, "function_trace", trace)
 
 
+class InputReadInTrace(BaseException):
+    """A ``kd.function``'s trace read a distributed dataset or iterator itself.
+
+    What a trace reads would be a constant of the program: every later call
+    would train on the same batches. The function stops tracing and runs its
+    Python on each call instead (each ``strategy.run`` in it still compiled),
+    as ``tf.function`` reads its input afresh on each call. A ``BaseException``:
+    the traced code's own ``except Exception`` must not swallow it.
+    """
+
+
+def refuse_input_read_in_trace() -> None:
+    """Raises ``InputReadInTrace`` when a ``kd.function`` is being traced."""
+    if _state.function_trace is not None:
+        raise InputReadInTrace()
+
+
 def get_strategy():
     """Returns the current strategy: the one whose scope or ``run`` we are in.
 

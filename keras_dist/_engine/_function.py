@@ -11,7 +11,10 @@ variables the code reads, writes, or whose strategy runs a replica function,
 and the function is traced again with them as state (as ``tf.function`` traces
 again when a first call creates variables). Per-replica inputs of different
 shapes (a partial last batch) run the Python function as it is: every
-``strategy.run`` in it then compiles per shape on its own.
+``strategy.run`` in it then compiles per shape on its own. So does, from then
+on, a function that reads a distributed dataset or iterator itself (a ``for``
+loop over a dataset, two ``next`` of an iterator argument,
+``get_next_as_optional``): a program would keep the batches its trace read.
 """
 
 import collections
@@ -25,6 +28,7 @@ import numpy as np
 
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._context import InputReadInTrace
 from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._function_key import FunctionKey
@@ -32,8 +36,11 @@ from keras_dist._engine._function_key import static_key
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
+from keras_dist._engine._next_element import is_argument_leaf
+from keras_dist._engine._next_element import with_next_elements
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._input import DistributedIterator
+from keras_dist._input import EndOfInput
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import initialize_pending_variables
 from keras_dist._keras import pending_variables
@@ -205,10 +212,6 @@ def _is_output_leaf(x):
     return x is None or isinstance(x, (DistributedValues, KerasVariable))
 
 
-def _is_argument_leaf(x):
-    return x is None or isinstance(x, (DistributedValues, KerasVariable))
-
-
 class Function:
     """A Python function compiled whole, once per input signature (``tf.function``).
 
@@ -243,6 +246,8 @@ class Function:
         self._retraces = RetraceMonitor()
         self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._code = FunctionKey(python_function).code
+        # Set once a trace read a dataset or iterator itself: each call runs the Python.
+        self._runs_as_python = False
 
     def __get__(self, instance, owner=None):
         if instance is None:
@@ -264,12 +269,16 @@ class Function:
         inside = inside or _context.current_frame().engine is not None  # in a replica's run
         if inside or _config.functions_run_eagerly():
             return self.python_function(*args, **kwargs)  # already traced: inline
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_argument_leaf)
+        if self._runs_as_python:
+            return self._run_python(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_argument_leaf)
+        read_ahead = []
         if any(isinstance(x, DistributedIterator) for x in leaves):
             # TF's `train_step(iterator)` with `next(iterator)` inside: the iterator's
             # next element is read here and becomes an input of the program.
-            args, kwargs = _with_next_elements((args, kwargs))
-            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_argument_leaf)
+            given = (args, kwargs)
+            args, kwargs = with_next_elements(given, read_ahead)
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_argument_leaf)
         kinds, dynamic, signature, statics = [], [], [], []
         for index, leaf in enumerate(leaves):
             kind, array = _classify(leaf)
@@ -290,9 +299,30 @@ class Function:
             self._retraces.hit(code)
             return self._locked(program, dynamic)
         self._retraces.traced(code, (None, key[1], key[2]))
-        program = self._build(treedef, leaves, kinds, dynamic)
+        try:
+            program = self._build(treedef, leaves, kinds, dynamic)
+        except InputReadInTrace:
+            # The Python reads its input itself: it runs as it is, on every call.
+            self._runs_as_python = True
+            for iterator, element in read_ahead:
+                iterator.put_back(element)
+            if read_ahead:
+                args, kwargs = given
+            return self._run_python(args, kwargs)
         self._programs[key] = program
         return self._locked(program, dynamic)
+
+    def _run_python(self, args, kwargs):
+        try:
+            return self.python_function(*args, **kwargs)
+        except StopIteration as error:
+            if isinstance(error, EndOfInput):
+                raise
+            # What a program reading past the end raises in TF.
+            raise EndOfInput(
+                "End of sequence: the function read past the end of its input. "
+                f"Received: {type(error).__name__} from {self.python_function!r}"
+            ) from error
 
     def _locked(self, program, dynamic):
         extendeds = program.extendeds
@@ -308,16 +338,12 @@ class Function:
             values = [_state_value(v, trace.extendeds) for v in state]
             shardings = [getattr(x, "sharding", None) for x in values]
             traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)
-            traced = jax.jit(traceable, donate_argnums=0).trace(values, dynamic)
-            again = trace.created_variables
-            if pending_variables():
-                # Created in the trace (optimizer slots): they take their first
-                # values, and their distributed class, under the strategy.
-                strategies = [e.container_strategy for e in trace.extendeds]
-                frame = _context.Frame(strategies[0], None) if strategies else None
-                with _context.push(frame) if frame else contextlib.nullcontext():
-                    initialize_pending_variables()
-                again = True
+            try:
+                traced = jax.jit(traceable, donate_argnums=0).trace(values, dynamic)
+            except InputReadInTrace:
+                _initialize_created(trace)  # the Python that runs instead uses them
+                raise
+            again = _initialize_created(trace) or trace.created_variables
             for extended in trace.extendeds:
                 current = extended.variable_state()
                 trace.need(current.mirrored + current.sync_on_read)
@@ -376,51 +402,26 @@ class Function:
         return program
 
 
+def _initialize_created(trace) -> bool:
+    """Gives variables created in ``trace`` (optimizer slots) their first values; any?
+
+    They take them, and their distributed class, under the strategy.
+    """
+    if not pending_variables():
+        return False
+    strategies = [e.container_strategy for e in trace.extendeds]
+    frame = _context.Frame(strategies[0], None) if strategies else None
+    with _context.push(frame) if frame else contextlib.nullcontext():
+        initialize_pending_variables()
+    return True
+
+
 def _keep_sharding(new, sharding):
     """A variable's new value with the sharding its old value had (a SyncOnRead variable
     written outside the replicas would otherwise come out replicated)."""
     if sharding is None:
         return new
     return jax.lax.with_sharding_constraint(new, sharding)
-
-
-@jax.tree_util.register_pytree_node_class
-class _NextElement:
-    """An iterator argument inside a ``kd.function``: ``next()`` gives the element read for it."""
-
-    def tree_flatten(self):
-        return (self._element,), None
-
-    @classmethod
-    def tree_unflatten(cls, _, children):
-        return cls(children[0])
-
-    def __init__(self, element):
-        self._element = element
-        self._taken = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._taken:
-            raise RuntimeError(
-                "A kd.function reads one element of each iterator argument per call: "
-                "`next(iterator)` was called twice in one call. Call the function once "
-                "per step, or pass the elements as arguments. Received: a second "
-                "`next(iterator)`"
-            )
-        self._taken = True
-        return self._element
-
-    get_next = __next__
-
-
-def _with_next_elements(structure):
-    """``structure`` with each distributed iterator in it replaced by its next element."""
-    leaves, treedef = jax.tree_util.tree_flatten(structure, is_leaf=_is_argument_leaf)
-    leaves = [_NextElement(next(x)) if isinstance(x, DistributedIterator) else x for x in leaves]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _classify(leaf):

@@ -11,7 +11,9 @@ Batches are read, split and sent to the devices ahead of use (``Prefetch``).
 import jax
 import numpy as np
 
+from keras_dist import errors
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._context import refuse_input_read_in_trace
 from keras_dist._context import running_replica_context
 from keras_dist._input._options import InputContext
 from keras_dist._input._options import InputOptions
@@ -26,6 +28,14 @@ from keras_dist.data import AutoShardPolicy
 from keras_dist.data._sharding import tf_data_auto_shard_policy_name
 
 _NOTHING = object()
+
+
+class EndOfInput(errors.OutOfRangeError, StopIteration):
+    """``get_next()`` past the last element: TF's ``OutOfRangeError``, and a ``StopIteration``.
+
+    >>> issubclass(EndOfInput, StopIteration)
+    True
+    """
 
 
 class DistributedIterator:
@@ -63,6 +73,7 @@ class DistributedIterator:
                 "strategy.run(replica_fn, args=(next(iterator),)). Received: a call "
                 f"inside `run` of {type(replica_context.strategy).__name__}."
             )
+        refuse_input_read_in_trace()
         if self._peeked is not _NOTHING:
             value, self._peeked = self._peeked, _NOTHING
             return value
@@ -72,8 +83,25 @@ class DistributedIterator:
         return value
 
     def get_next(self):
-        """The next element; raises ``StopIteration`` at the end (TF: OutOfRangeError)."""
-        return next(self)
+        """The next element; past the last one raises ``kd.errors.OutOfRangeError``, as TF.
+
+        (The error is a ``StopIteration`` too.)
+        """
+        try:
+            return next(self)
+        except StopIteration:
+            raise EndOfInput(
+                "End of sequence: the distributed iterator has no more elements. Use "
+                "`get_next_as_optional()` to test for the end, or iterate the dataset "
+                "again for the next epoch. Received: get_next() after the last element"
+            ) from None
+
+    def put_back(self, element) -> None:
+        """Makes ``element`` the next one again (a ``kd.function`` that read it ahead for a
+        call, then ran that call as Python)."""
+        if self._peeked is not _NOTHING:
+            raise RuntimeError("Only one element can be put back into a distributed iterator.")
+        self._peeked = element
 
     def get_next_as_optional(self) -> "Optional":
         """The next element as an ``Optional``, empty at the end of the data."""
@@ -199,6 +227,7 @@ class DistributedDataset:
         return cls(make_next_fn)
 
     def __iter__(self) -> DistributedIterator:
+        refuse_input_read_in_trace()
         return DistributedIterator(self._make_next_fn())
 
     @property
@@ -245,6 +274,13 @@ def _spec_of(value):
 
 
 def _check_iterable(dataset):
+    if callable(dataset) and not hasattr(dataset, "__iter__"):
+        raise TypeError(
+            "A distributed dataset takes the data, not a function making it. For what "
+            "`tf.data.Dataset.from_generator(gen)` read, pass an object whose `__iter__` "
+            "calls `gen()` (re-iterable, one pass per epoch), or a list of batches. "
+            f"Received: {dataset!r}"
+        )
     if iter(dataset) is dataset:
         raise ValueError(
             "A distributed dataset must be re-iterable (a list, a NumPy dataset, a "

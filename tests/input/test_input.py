@@ -149,6 +149,9 @@ def test_one_shot_iterator_is_rejected():
         strategy.experimental_distribute_dataset(iter(_batches(10, 2)))
     with pytest.raises(ValueError, match=r"re-iterable.*Received: generator"):
         strategy.distribute_datasets_from_function(lambda ctx: (b for b in _batches(9, 2)))
+    # `from_generator(gen)`'s argument, the generator function: what to pass instead.
+    with pytest.raises(TypeError, match=r"`__iter__` calls `gen\(\)`.*Received: <function"):
+        strategy.experimental_distribute_dataset(lambda: (b for b in _batches(10, 2)))
 
 
 @pytest.mark.parametrize(

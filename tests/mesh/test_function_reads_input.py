@@ -1,0 +1,179 @@
+"""A ``kd.function`` that reads its input itself reads it afresh on every call, as TF's.
+
+TF's "Distributed input" tutorial loops over a distributed dataset inside a
+``tf.function``, and over ``get_next_as_optional()``; its custom loops call
+``next(iterator)`` several times per call. A program would keep the batches
+its trace read, so such a function runs its Python on each call (each
+``strategy.run`` in it compiled). The expected numbers are TF 2.21's on 4
+logical CPUs, or those of the same loop run without ``kd.function``.
+"""
+
+import keras
+import numpy as np
+import pytest
+from conftest import cpus
+
+import keras_dist as kd
+
+
+class _ChangingData:
+    """Global batches whose values the test changes between calls (as new epochs would)."""
+
+    def __init__(self):
+        self.value = 1.0
+
+    def __iter__(self):
+        return iter([np.full(4, self.value, "float32")] * 2)
+
+
+def _summed_into(strategy):
+    with strategy.scope():
+        return keras.Variable(0.0, aggregation="sum")
+
+
+def test_a_loop_over_a_dataset_inside_reads_each_calls_data():
+    strategy = kd.MirroredStrategy(cpus(4))
+    data = _ChangingData()
+    dataset = strategy.experimental_distribute_dataset(data)
+    total = _summed_into(strategy)
+
+    @kd.function
+    def epoch_sum(dataset):
+        total.assign(0.0)
+        for x in dataset:
+            strategy.run(lambda v: total.assign_add(v.sum()), args=(x,))
+        return total.value
+
+    sums = []
+    for value in (1.0, 2.0, 3.0):
+        data.value = value
+        sums.append(float(epoch_sum(dataset)))
+    assert sums == [8.0, 16.0, 24.0]  # TF's; a program kept from the trace gave 8, 8, 8
+    assert epoch_sum.experimental_get_tracing_count() == 0
+
+
+def test_a_captured_dataset_with_a_partial_batch_gives_tfs_sums():
+    strategy = kd.MirroredStrategy(cpus(4))
+    rows = np.arange(10, dtype="float32")
+    dataset = strategy.experimental_distribute_dataset([rows[i : i + 4] for i in (0, 4, 8)])
+    total = _summed_into(strategy)
+
+    @kd.function
+    def add_epoch():
+        for x in dataset:  # the last step: rows 8, 9 on replicas 0 and 1
+            strategy.run(lambda v: total.assign_add(v.sum()), args=(x,))
+        return total.value
+
+    assert [float(add_epoch()), float(add_epoch())] == [45.0, 90.0]  # TF 2.21's
+
+
+def test_a_get_next_as_optional_loop_inside_gives_tfs_steps():
+    strategy = kd.MirroredStrategy(cpus(4))
+    batches = [np.arange(0.0, 4.0), np.arange(4.0, 8.0), np.array([8.0])]
+    dataset = strategy.experimental_distribute_dataset(batches)
+
+    @kd.function
+    def read_all(iterator):
+        steps = []
+        while True:
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                return steps
+            steps.append(strategy.experimental_local_results(optional.get_value()))
+
+    steps = [[v.tolist() for v in step] for step in read_all(iter(dataset))]
+    # TF: ([0],[1],[2],[3]), ([4],[5],[6],[7]), ([8],[],[],[]).
+    assert steps == [
+        [[0.0], [1.0], [2.0], [3.0]],
+        [[4.0], [5.0], [6.0], [7.0]],
+        [[8.0], [], [], []],
+    ]
+
+
+def test_several_next_calls_per_call_read_in_order_then_out_of_range():
+    strategy = kd.MirroredStrategy(cpus(2))
+    batches = [np.full(2, float(i), "float32") for i in range(6)]
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+
+    @kd.function
+    def two_steps(iterator):
+        first = strategy.reduce("SUM", next(iterator), axis=0)
+        return first + strategy.reduce("SUM", next(iterator), axis=0)
+
+    # The first call's element, read ahead for a program, is not lost.
+    assert [float(two_steps(iterator)) for _ in range(3)] == [2.0, 10.0, 18.0]
+    with pytest.raises(kd.errors.OutOfRangeError, match="End of sequence"):
+        two_steps(iterator)
+
+
+def test_a_captured_iterator_read_inside_advances_on_every_call():
+    strategy = kd.MirroredStrategy(cpus(2))
+    iterator = iter(
+        strategy.experimental_distribute_dataset([np.full(2, i, "f4") for i in range(3)])
+    )
+
+    @kd.function
+    def step():
+        return strategy.reduce("SUM", next(iterator), axis=0)
+
+    assert [float(step()) for _ in range(3)] == [0.0, 2.0, 4.0]
+
+
+def test_training_that_builds_its_optimizer_inside_equals_the_plain_loop():
+    """The optimizer's slots, created in the trace that found the loop, get their values."""
+
+    def train(compiled):
+        strategy = kd.MirroredStrategy(cpus(4))
+        keras.utils.set_random_seed(3)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            optimizer = keras.optimizers.Adam(0.1)
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(10, 3)).astype("f4"), rng.normal(size=(10, 1)).astype("f4")
+        dataset = strategy.experimental_distribute_dataset(
+            [(x[i : i + 4], y[i : i + 4]) for i in (0, 4, 8)]
+        )
+
+        def replica_step(xb, yb):
+            def loss_fn():
+                per_example = keras.ops.mean((model(xb) - yb) ** 2, axis=-1)
+                return kd.nn.compute_average_loss(per_example, global_batch_size=4)
+
+            loss, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
+            optimizer.apply(grads, model.trainable_variables)
+            return loss
+
+        def epoch(first, dataset):
+            # The first step makes the optimizer's slots, in the trace that then meets the loop.
+            losses = [strategy.reduce("SUM", strategy.run(replica_step, args=first), axis=None)]
+            for batch in dataset:
+                losses.append(strategy.reduce("SUM", strategy.run(replica_step, args=batch), None))
+            return [float(loss) for loss in losses]
+
+        run = kd.function(epoch) if compiled else epoch
+        first = next(iter(dataset))
+        losses = run(first, dataset) + run(first, dataset)
+        return losses, [w.numpy() for w in model.weights], int(optimizer.iterations.numpy())
+
+    losses, weights, iterations = train(compiled=True)
+    plain_losses, plain_weights, plain_iterations = train(compiled=False)
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+    for w, p in zip(weights, plain_weights):
+        np.testing.assert_allclose(w, p, rtol=1e-6)
+    assert iterations == plain_iterations == 8
+
+
+def test_get_next_past_the_end_raises_tfs_out_of_range_error():
+    strategy = kd.MirroredStrategy(cpus(2))
+    iterator = iter(strategy.experimental_distribute_dataset([np.arange(2.0)]))
+    iterator.get_next()
+    with pytest.raises(kd.errors.OutOfRangeError, match="End of sequence") as raised:
+        iterator.get_next()
+    assert isinstance(raised.value, StopIteration)  # `except StopIteration` still works
+
+    @kd.function
+    def step(iterator):
+        return strategy.reduce("SUM", next(iterator), axis=0)
+
+    with pytest.raises(kd.errors.OutOfRangeError):  # TF: a call on an exhausted iterator
+        step(iterator)
