@@ -232,9 +232,15 @@ class DistributedDataset:
 
     @property
     def element_spec(self):
-        """The per-replica structure of the elements, read from the first element."""
+        """The per-replica structure of the elements, read from the first element.
+
+        ``None`` when the data is empty (as the iterator's).
+        """
         if self._element_spec is None:
-            self._element_spec = _spec_of(next(iter(self)))
+            first = next(iter(self), _NOTHING)
+            if first is _NOTHING:
+                return None
+            self._element_spec = _spec_of(first)
         return self._element_spec
 
 

@@ -214,6 +214,13 @@ def test_static_shapes_and_get_next_as_optional(engine, n):
         iterator.get_next()
 
 
+def test_element_spec_of_empty_data_is_none():
+    strategy = kd.MirroredStrategy(cpus(2))
+    dataset = strategy.experimental_distribute_dataset([])
+    assert dataset.element_spec is None  # a bare StopIteration came out of the property
+    assert iter(dataset).element_spec is None
+
+
 def test_element_spec_known_before_the_first_element():
     strategy = kd.MirroredStrategy(cpus(2))
     dataset = strategy.experimental_distribute_dataset(
