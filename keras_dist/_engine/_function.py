@@ -272,11 +272,10 @@ class Function:
         if self._runs_as_python:
             return self._run_python(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_argument_leaf)
-        read_ahead = []
+        given, read_ahead = (args, kwargs), []
         if any(isinstance(x, DistributedIterator) for x in leaves):
             # TF's `train_step(iterator)` with `next(iterator)` inside: the iterator's
             # next element is read here and becomes an input of the program.
-            given = (args, kwargs)
             args, kwargs = with_next_elements(given, read_ahead)
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_argument_leaf)
         kinds, dynamic, signature, statics = [], [], [], []
@@ -284,7 +283,7 @@ class Function:
             kind, array = _classify(leaf)
             if kind == "uneven":
                 # Replicas' inputs of different shapes: one program cannot take them.
-                return self.python_function(*args, **kwargs)
+                return self._run_python(*given, read_ahead)
             kinds.append(kind)
             if kind is None:
                 statics.append((index, static_key(leaf)))
@@ -304,15 +303,15 @@ class Function:
         except InputReadInTrace:
             # The Python reads its input itself: it runs as it is, on every call.
             self._runs_as_python = True
-            for iterator, element in read_ahead:
-                iterator.put_back(element)
-            if read_ahead:
-                args, kwargs = given
-            return self._run_python(args, kwargs)
+            return self._run_python(*given, read_ahead)
         self._programs[key] = program
         return self._locked(program, dynamic)
 
-    def _run_python(self, args, kwargs):
+    def _run_python(self, args, kwargs, read_ahead=()):
+        """The Python function on the caller's arguments; elements read ahead for a
+        program go back to their iterators first (the Python reads them itself)."""
+        for iterator, element in read_ahead:
+            iterator.put_back(element)
         try:
             return self.python_function(*args, **kwargs)
         except StopIteration as error:

@@ -177,3 +177,16 @@ def test_get_next_past_the_end_raises_tfs_out_of_range_error():
 
     with pytest.raises(kd.errors.OutOfRangeError):  # TF: a call on an exhausted iterator
         step(iterator)
+
+
+def test_an_uneven_first_element_of_an_iterator_argument_is_read_by_the_python():
+    strategy = kd.MirroredStrategy(cpus(2))
+    batches = [np.arange(3.0), np.arange(3.0, 5.0), np.arange(5.0, 8.0), np.arange(8.0, 10.0)]
+    iterator = iter(strategy.experimental_distribute_dataset(batches))  # 2/1 rows, then 1/1
+
+    @kd.function
+    def two_steps(iterator):
+        first = strategy.reduce("SUM", next(iterator), axis=0)
+        return first + strategy.reduce("SUM", next(iterator), axis=0)
+
+    assert [float(two_steps(iterator)) for _ in range(2)] == [10.0, 35.0]
