@@ -23,6 +23,7 @@ from keras_dist._input._split import AgreedSteps
 from keras_dist._input._split import GlobalBatchSplitter
 from keras_dist._input._split import RebatchedForEveryWorker
 from keras_dist._input._split import per_replica_batches
+from keras_dist._input._static_shapes import statically_shaped
 from keras_dist._values import PerReplica
 from keras_dist.data import AutoShardPolicy
 from keras_dist.data._sharding import tf_data_auto_shard_policy_name
@@ -158,7 +159,7 @@ class DistributedDataset:
     @classmethod
     def from_global_batches(cls, strategy, dataset, options=None):
         if options is not None:
-            options.validate()
+            options.validate(dataset_fn=False)
             if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
                 # As TF: a global batch has no per-replica pipelines to build.
                 raise NotImplementedError(
@@ -202,6 +203,10 @@ class DistributedDataset:
             datasets = [dataset_fn(context)]
         for dataset in datasets:
             _check_iterable(dataset)
+        # TF: static element shapes on one worker turn partial-batch handling off.
+        ends_at_first_gap = not extended.spans_processes and all(
+            statically_shaped(d) for d in datasets
+        )
 
         def make_next_fn():
             iterators = [iter(d) for d in datasets]
@@ -212,6 +217,8 @@ class DistributedDataset:
                     iterator = iterators[i] if per_replica else iterators[0]
                     batches.append(next(iterator, None))
                 if all(b is None for b in batches):
+                    raise StopIteration
+                if ends_at_first_gap and any(b is None for b in batches):
                     raise StopIteration
                 return batches
 

@@ -35,6 +35,15 @@ class NumpyDataset:
             )
         return NumpyDataset(self._data, int(batch_size), drop_remainder)
 
+    @property
+    def static_shapes(self) -> bool:
+        """Whether every element has the same shape: rows, or batches without a remainder.
+
+        As TF's ``element_spec``: ``batch(n)`` alone leaves the batch size unknown
+        (the last batch may be smaller), even when ``n`` divides the rows.
+        """
+        return self._batch_size is None or self._drop_remainder
+
     def __len__(self):
         if self._batch_size is None:
             return self._size

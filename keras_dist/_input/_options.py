@@ -30,29 +30,38 @@ class InputReplicationMode(enum.Enum):
 class InputOptions:
     """Options for distributed input, as ``tf.distribute.InputOptions``.
 
+    As TF's, they are checked by ``distribute_datasets_from_function`` only:
+    ``experimental_distribute_dataset`` ignores the placement options.
+
     >>> InputOptions(experimental_replication_mode=InputReplicationMode.PER_REPLICA)
     ... # doctest: +ELLIPSIS
-    InputOptions(experimental_fetch_to_device=None, ...)
+    InputOptions(experimental_fetch_to_device=True, ...)
     """
 
-    experimental_fetch_to_device: "bool | None" = None
+    experimental_fetch_to_device: bool = True
     experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
 
-    def validate(self) -> None:
-        if self.experimental_place_dataset_on_device:
-            if self.experimental_fetch_to_device:
-                raise ValueError(
-                    "`experimental_place_dataset_on_device` cannot be combined with "
-                    "`experimental_fetch_to_device=True`: a dataset placed on the device "
-                    "is already there. Received: " + repr(self)
-                )
+    def validate(self, dataset_fn: bool = True) -> None:
+        """Raises ``ValueError`` for options that contradict each other.
+
+        ``dataset_fn=False`` (``experimental_distribute_dataset``) checks only
+        the buffer size, as TF, which ignores the placement options there.
+        """
+        if dataset_fn and self.experimental_place_dataset_on_device:
             if self.experimental_replication_mode is InputReplicationMode.PER_WORKER:
                 raise ValueError(
                     "`experimental_place_dataset_on_device=True` needs "
                     "`experimental_replication_mode=InputReplicationMode.PER_REPLICA`. "
                     "Received: " + repr(self)
+                )
+            if self.experimental_fetch_to_device:
+                raise ValueError(
+                    "`experimental_place_dataset_on_device` cannot be combined with "
+                    "`experimental_fetch_to_device=True`: a dataset placed on the device "
+                    "is already there; set `experimental_fetch_to_device=False` (it is True "
+                    "unless set). Received: " + repr(self)
                 )
         if self.experimental_per_replica_buffer_size < 0:
             raise ValueError(

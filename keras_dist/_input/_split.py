@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from keras_dist._input._host_arrays import to_host_array
+from keras_dist._input._static_shapes import has_scalar_leaf
 from keras_dist._values import PerReplica
 
 
@@ -121,10 +122,14 @@ def per_replica_batches(extended, batches, template=None, uneven=False):
     """One step from one batch per local replica; missing ones become empty batches.
 
     ``template`` gives the structure of an empty batch when no replica here has
-    one; ``uneven`` marks the step as uneven across processes.
+    one; ``uneven`` marks the step as uneven across processes. Unbatched scalar
+    elements have no empty batch: a step that misses one ends the input (TF
+    takes one element per replica and stops at an incomplete round).
     """
     present = [b for b in batches if b is not None]
     template = jax.tree_util.tree_map(_as_array, present[0] if present else template)
+    if len(present) < len(batches) and has_scalar_leaf(template):
+        raise StopIteration
     filled = [
         b if b is not None else jax.tree_util.tree_map(lambda x: x[:0], template) for b in batches
     ]
@@ -178,6 +183,8 @@ class AgreedSteps:
         present = [b for b in batches if b is not None]
         if present:
             self._template = present[0]
+        if not sizes.all() and has_scalar_leaf(self._template):
+            raise StopIteration  # decided on every worker alike: the sizes are global
         elif self._template is None:
             raise ValueError(
                 "This worker's input pipeline produced no batch before the other "

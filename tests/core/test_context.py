@@ -371,6 +371,12 @@ def test_input_context_str():
     assert str(ctx) == "tf.distribute.InputContext(input pipeline id 1, total: 3)"
 
 
+def test_value_context_str_is_tfs():
+    # TF 2.21: str(tf.distribute.experimental.ValueContext(1, 4)).
+    context = kd.experimental.ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=4)
+    assert str(context) == "tf.distribute.ValueContext(replica id 1,  total replicas in sync: 4)"
+
+
 def test_input_context_defaults():
     ctx = kd.InputContext()
     assert (ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync) == (1, 0, 1)

@@ -335,6 +335,74 @@ def test_dataset_from_function_empty_batches_keep_dtype_and_trailing_shape():
     }
 
 
+@pytest.mark.parametrize(
+    "make_dataset, expected",
+    [
+        # TF 2.21, 4 replicas: range(22).batch(2, drop_remainder=True) gives 2 steps (its
+        # 11th batch does not make a third); range(6) gives [0, 1, 2, 3] and stops;
+        # from_tensor_slices of 9 rows of 2 gives 2 steps.
+        (
+            lambda np_dataset: np_dataset(np.arange(22)).batch(2, drop_remainder=True),
+            [[[0, 1], [2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11], [12, 13], [14, 15]]],
+        ),
+        (lambda np_dataset: np_dataset(np.arange(6)), [[0, 1, 2, 3]]),
+        (lambda np_dataset: [np.int32(i) for i in range(6)], [[0, 1, 2, 3]]),
+        (
+            lambda np_dataset: np_dataset(np.arange(18).reshape(9, 2)),
+            [[[0, 1], [2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11], [12, 13], [14, 15]]],
+        ),
+        (
+            lambda np_dataset: np_dataset((np.arange(9), 10 * np.arange(9))),
+            [[[0, 0], [1, 10], [2, 20], [3, 30]], [[4, 40], [5, 50], [6, 60], [7, 70]]],
+        ),
+        # Batches of unknown size (no drop_remainder): the short round is kept, with
+        # empty batches, as TF's partial-batch handling does.
+        (
+            lambda np_dataset: np_dataset(np.arange(22)).batch(2),
+            [[[0, 1], [2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11], [12, 13], [14, 15]]]
+            + [[[16, 17], [18, 19], [20, 21], []]],
+        ),
+    ],
+)
+def test_dataset_from_function_with_static_shapes_ends_at_the_first_short_round(
+    make_dataset, expected
+):
+    strategy = kd.MirroredStrategy(cpus(4))
+    dataset = strategy.distribute_datasets_from_function(
+        lambda ctx: make_dataset(strategy.experimental_make_numpy_dataset)
+    )
+    steps = [[np.asarray(v).tolist() for v in _local_nest(strategy, x)] for x in dataset]
+    assert steps == expected
+
+
+def _local_nest(strategy, element):
+    """Each replica's part of an element (a tuple element becomes one list per replica)."""
+    leaves = element if isinstance(element, tuple) else (element,)
+    parts = [strategy.experimental_local_results(x) for x in leaves]
+    return [np.stack(p) if len(p) > 1 else p[0] for p in zip(*parts)]
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_per_replica_pipelines_with_static_shapes_end_together(drop_remainder):
+    # TF 2.21, PER_REPLICA, replica r reads range(2 (r + 1)).batch(2, drop_remainder):
+    # static shapes give one step; otherwise replicas that ran out get empty batches.
+    strategy = kd.MirroredStrategy(cpus(4))
+    options = kd.InputOptions(experimental_replication_mode=kd.InputReplicationMode.PER_REPLICA)
+    dataset = strategy.distribute_datasets_from_function(
+        lambda ctx: strategy.experimental_make_numpy_dataset(
+            np.arange(2 * (ctx.input_pipeline_id + 1))
+        ).batch(2, drop_remainder=drop_remainder),
+        options,
+    )
+    expected = [
+        [[0, 1], [0, 1], [0, 1], [0, 1]],
+        [[], [2, 3], [2, 3], [2, 3]],
+        [[], [], [4, 5], [4, 5]],
+        [[], [], [], [6, 7]],
+    ]
+    assert _epoch(strategy, dataset) == expected[: 1 if drop_remainder else 4]
+
+
 @pytest.mark.parametrize("n", REPLICAS)
 def test_input_context_given_to_dataset_fn(n):
     # Spec 46: Mirrored with 2 devices → (n=2, 1 pipeline, id 0); OneDevice → (1, 1, 0).
@@ -388,7 +456,7 @@ def test_per_replica_values(n, place_on_device):
     options = kd.InputOptions(
         experimental_replication_mode=kd.InputReplicationMode.PER_REPLICA,
         experimental_place_dataset_on_device=place_on_device,
-        experimental_fetch_to_device=False if place_on_device else None,
+        experimental_fetch_to_device=not place_on_device,
     )
     dataset = strategy.distribute_datasets_from_function(
         lambda ctx: np.arange(1, 10) * (ctx.input_pipeline_id + 1), options
@@ -438,6 +506,13 @@ def test_per_replica_pipelines_that_run_out_give_empty_batches(engine):
             kd.InputOptions(experimental_place_dataset_on_device=True),
             r"PER_REPLICA.*Received: InputOptions",
         ),
+        (  # TF: fetch_to_device is True unless set, so placing on the device must turn it off.
+            kd.InputOptions(
+                experimental_replication_mode=kd.InputReplicationMode.PER_REPLICA,
+                experimental_place_dataset_on_device=True,
+            ),
+            r"experimental_fetch_to_device=True.*Received: InputOptions",
+        ),
         (
             kd.InputOptions(experimental_per_replica_buffer_size=-1),
             r"at least 0\. Received: -1",
@@ -454,6 +529,16 @@ def test_invalid_input_options_raise(options, match):
             lambda ctx: calls.append(ctx) or _batches(4, 2), options
         )
     assert calls == []
+
+
+def test_distribute_dataset_ignores_the_placement_options():
+    # TF 2.21: experimental_distribute_dataset does not check place_dataset_on_device
+    # (only distribute_datasets_from_function does); range(8).batch(8) on 4 replicas.
+    strategy = kd.MirroredStrategy(cpus(4))
+    options = kd.InputOptions(experimental_place_dataset_on_device=True)
+    dataset = strategy.experimental_distribute_dataset(_batches(8, 8), options)
+    assert _epoch(strategy, dataset) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+    assert kd.InputOptions().experimental_fetch_to_device is True
 
 
 def test_per_replica_mode_is_not_for_global_batches():

@@ -167,6 +167,12 @@ def _input_worker():
             distribute(kd.data.with_auto_shard_policy(_numpy(np.arange(8), 3), "DATA"))
         ),
         "53": by_function(lambda context: _numpy(np.arange(8 + context.input_pipeline_id), 2)),
+        "scalars": by_function(
+            lambda context: [
+                np.int32(10 * context.input_pipeline_id + i)
+                for i in range(3 + 2 * context.input_pipeline_id)
+            ]
+        ),
     }
 
 
@@ -192,6 +198,9 @@ def test_input_pipelines_across_two_workers_match_tf():
     # Spec 53: pipelines of range(8) and range(9), batch 2: the last step is [[]] and [[8]].
     assert (chief["53"][-1], worker["53"][-1]) == ([[]], [[8]])
     assert len(chief["53"]) == len(worker["53"]) == 5
+    # Unbatched scalars (3 on the chief, 5 on the worker) have no empty batch: the input
+    # ends for both workers at the first step that one of them has no element for.
+    assert (chief["scalars"], worker["scalars"]) == ([[0], [1], [2]], [[10], [11], [12]])
 
 
 # ------------------------------------------------------------------------------ failures
