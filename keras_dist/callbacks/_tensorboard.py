@@ -4,7 +4,8 @@ Keras 3's ``keras.callbacks.TensorBoard`` writes through ``tf.summary``. This
 one writes the same event files with ``tensorboardX``: the same run
 directories (``log_dir/train``, ``log_dir/validation``), tags (``epoch_loss``,
 ``batch_loss``, ``epoch_learning_rate``, ``evaluation_loss_vs_iterations``,
-``<weight path>/histogram``) and steps.
+``<weight path>/histogram``, the model's config as ``keras``), steps and TF 2's
+tensor summaries (``_summaries``).
 
 On several workers only the chief writes (tf.keras: "TensorBoard writes only
 on the chief"); the others compute the same values, so that a read which needs
@@ -19,6 +20,9 @@ import keras
 import numpy as np
 
 from keras_dist.callbacks import _writer_role
+from keras_dist.callbacks._summaries import histogram_summary
+from keras_dist.callbacks._summaries import keras_model_summary
+from keras_dist.callbacks._summaries import scalar_summary
 
 
 class TensorBoard(keras.callbacks.Callback):
@@ -28,9 +32,10 @@ class TensorBoard(keras.callbacks.Callback):
     train and validation scalars, the learning rate, batch-level scalars every
     ``update_freq`` batches (an integer, or ``"batch"`` for 1),
     ``evaluation_<metric>_vs_iterations`` after each evaluation, steps per
-    second with ``write_steps_per_second``, and weight histograms every
-    ``histogram_freq`` epochs. Not written: the graph (there is no TensorFlow
-    graph; ``write_graph`` is accepted and ignored), weight images,
+    second with ``write_steps_per_second``, weight histograms every
+    ``histogram_freq`` epochs, and with ``write_graph`` a ``Sequential`` or
+    functional model's config (TensorBoard's graph tab draws it). Not written:
+    the traced train function's op graph (there is no TensorFlow graph), weight images,
     embeddings and profiles (use ``jax.profiler``), which warn when asked for.
 
     >>> import os, tempfile, keras, numpy as np
@@ -95,6 +100,11 @@ class TensorBoard(keras.callbacks.Callback):
         super().set_model(model)
         self._close_writers()
         self._is_writer = _writer_role.process_role(model).is_chief
+        if self.write_graph and type(model).__name__ in ("Functional", "Sequential"):
+            summary = keras_model_summary("keras", model)
+            writer = self._writer("train") if summary is not None else None
+            if writer is not None:
+                writer.add_summary(summary, global_step=0)
 
     # ---------------------------------------------------------------- writers
     def _writer(self, run):
@@ -103,9 +113,9 @@ class TensorBoard(keras.callbacks.Callback):
             return None
         if run not in self._writers:
             # Deferred: only the chief writes events, and tensorboardX loads protobuf.
-            from tensorboardX import SummaryWriter
+            from tensorboardX import FileWriter
 
-            self._writers[run] = SummaryWriter(logdir=os.path.join(self.log_dir, run))
+            self._writers[run] = FileWriter(os.path.join(self.log_dir, run))
         return self._writers[run]
 
     def _scalars(self, run, values, step, prefix=""):
@@ -115,7 +125,7 @@ class TensorBoard(keras.callbacks.Callback):
         if writer is None:
             return
         for name, value in values.items():
-            writer.add_scalar(f"{prefix}{name}", value, global_step=int(step))
+            writer.add_summary(scalar_summary(f"{prefix}{name}", value), global_step=int(step))
 
     def _close_writers(self):
         for writer in self._writers.values():
@@ -195,7 +205,7 @@ class TensorBoard(keras.callbacks.Callback):
                 values = np.asarray(weight)  # read on every worker, written by one
                 if writer is not None:
                     name = weight.path.replace(":", "_")
-                    writer.add_histogram(f"{name}/histogram", values, global_step=epoch)
+                    writer.add_summary(histogram_summary(f"{name}/histogram", values), epoch)
 
     def _flush(self):
         for writer in self._writers.values():

@@ -19,7 +19,8 @@ import keras
 import numpy as np
 import pytest
 from conftest import cpus
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 
 import keras_dist as kd
 from keras_dist.callbacks import BackupAndRestore
@@ -28,6 +29,7 @@ from keras_dist.callbacks import TensorBoard
 from keras_dist.callbacks import _preemption
 from keras_dist.callbacks import _training_state
 from keras_dist.callbacks import _writer_role
+from keras_dist.callbacks._summaries import histogram_bucket_rows
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.cluster_resolver import SimpleClusterResolver
 
@@ -577,14 +579,25 @@ def test_a_process_sent_sigterm_saves_exits_42_and_a_rerun_resumes_exactly(tmp_p
 
 
 def _events(run_dir):
-    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "histograms": 0})
+    """TensorBoard's own reader of a run (it reads TF 2's tensor summaries)."""
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     accumulator.Reload()
     return accumulator
 
 
+def _series(accumulator, tag):
+    events = accumulator.Tensors(tag)
+    return [e.step for e in events], [tensor_util.make_ndarray(e.tensor_proto) for e in events]
+
+
 def _scalar_series(accumulator, tag):
-    events = accumulator.Scalars(tag)
-    return [e.step for e in events], [e.value for e in events]
+    steps, values = _series(accumulator, tag)
+    assert {(v.dtype, v.shape) for v in values} == {(np.dtype("float32"), ())}  # as tf.summary
+    return steps, [float(v) for v in values]
+
+
+def _plugin(accumulator, tag):
+    return accumulator.SummaryMetadata(tag).plugin_data.plugin_name
 
 
 def test_tensorboard_writes_what_history_holds(tmp_path):
@@ -598,14 +611,29 @@ def test_tensorboard_writes_what_history_holds(tmp_path):
         steps, values = _scalar_series(train, f"epoch_{name}")
         assert steps == [0, 1, 2]
         np.testing.assert_array_equal(values, np.float32(history[name]))
+    assert _plugin(train, "epoch_loss") == "scalars"
     assert _scalar_series(train, "epoch_learning_rate") == ([0, 1, 2], [np.float32(0.01)] * 3)
     steps, values = _scalar_series(train, "batch_loss")
     assert steps == [2, 4, 6, 8, 10, 12]
     np.testing.assert_array_equal(values[1::2], np.float32(history["loss"]))  # epoch ends
-    histograms = train.Tags()["histograms"]
+    histograms = [tag for tag in train.Tags()["tensors"] if tag.endswith("/histogram")]
     assert len(histograms) == 4  # two kernels and two biases
-    kernel = next(tag for tag in histograms if tag.endswith("/kernel/histogram"))
-    assert [e.step for e in train.Histograms(kernel)] == [0, 2]
+    assert {_plugin(train, tag) for tag in histograms} == {"histograms"}
+    kernel = "sequential/dense/kernel/histogram"
+    steps, values = _series(train, kernel)
+    assert steps == [0, 2]
+    # The last one is of the final weights: 30 buckets from min to max, 3 x 8 values.
+    final = np.asarray(model.layers[0].kernel, np.float64)
+    assert values[1].shape == (30, 3) and values[1].dtype == np.float64
+    assert (values[1][0, 0], values[1][-1, 1], values[1][:, 2].sum()) == (
+        final.min(),
+        final.max(),
+        24.0,
+    )
+    # The model's config for TensorBoard's graph tab, as Keras writes it under TF.
+    assert _plugin(train, "keras") == "graph_keras_model"
+    (config,) = _series(train, "keras")[1]
+    assert json.loads(config[0]) == json.loads(model.to_json())
 
     validation = _events(tmp_path / "validation")
     steps, values = _scalar_series(validation, "epoch_loss")
@@ -614,6 +642,23 @@ def test_tensorboard_writes_what_history_holds(tmp_path):
     steps, values = _scalar_series(validation, "evaluation_loss_vs_iterations")
     assert steps == [4, 8, 12]
     np.testing.assert_array_equal(values, np.float32(history["val_loss"]))
+
+
+@pytest.mark.parametrize(
+    "values, nonzero",
+    [
+        # TF 2.21's tf.summary.histogram (30 buckets): the (index, left, right, count)
+        # rows that hold values. Equal values all go to the last bucket.
+        ([0.0, 1.0, 1.0, 3.0], [(0, 0.0, 0.1, 1.0), (10, 1.0, 1.1, 2.0), (29, 2.9, 3.0, 1.0)]),
+        ([2.5, 2.5, 2.5], [(29, 2.5, 2.5, 3.0)]),
+        ([], []),
+    ],
+)
+def test_histogram_buckets_are_tfs(values, nonzero):
+    rows = histogram_bucket_rows(np.float32(values))
+    assert rows.shape == (30, 3)
+    found = [(int(i), *rows[i]) for i in np.flatnonzero(rows[:, 2])]
+    np.testing.assert_allclose(np.reshape(found, (-1, 4)), np.reshape(nonzero, (-1, 4)), atol=1e-12)
 
 
 def test_tensorboard_writes_nothing_on_a_non_chief(tmp_path, monkeypatch):
