@@ -8,6 +8,8 @@
 Batches are read, split and sent to the devices ahead of use (``Prefetch``).
 """
 
+import collections.abc
+
 import jax
 import numpy as np
 
@@ -294,7 +296,7 @@ def _check_iterable(dataset):
             "calls `gen()` (re-iterable, one pass per epoch), or a list of batches. "
             f"Received: {dataset!r}"
         )
-    if iter(dataset) is dataset:
+    if isinstance(dataset, collections.abc.Iterator):  # not iter(): a source may count epochs
         raise ValueError(
             "A distributed dataset must be re-iterable (a list, a NumPy dataset, a "
             "Grain dataset, a `keras.utils.PyDataset`...), not a one-shot iterator, "

@@ -270,8 +270,10 @@ def test_reshuffling_source_gives_a_new_order_each_epoch():
     # Spec 49: reshuffle_each_iteration=True → epochs differ: every epoch re-reads the
     # source instead of replaying the first.
     strategy = kd.MirroredStrategy(cpus(2))
-    dataset = strategy.experimental_distribute_dataset(_Reshuffled())
+    source = _Reshuffled()
+    dataset = strategy.experimental_distribute_dataset(source)
     first, second = _epoch(strategy, dataset), _epoch(strategy, dataset)
+    assert source.epochs == 2  # one iteration per epoch, none to check the source
     assert first != second
     flat = lambda epoch: sorted(x for step in epoch for part in step for x in part)
     assert flat(first) == flat(second) == list(range(16))
