@@ -190,3 +190,24 @@ def test_an_uneven_first_element_of_an_iterator_argument_is_read_by_the_python()
         return first + strategy.reduce("SUM", next(iterator), axis=0)
 
     assert [float(two_steps(iterator)) for _ in range(2)] == [10.0, 35.0]
+
+
+def test_a_variable_created_in_the_trace_that_met_the_loop_keeps_its_value():
+    # The variable is made in the trace that then meets the loop; it gets its first
+    # value there, so the Python run's steps count from it and a later compiled
+    # strategy.run does not initialize it again ("already initialized" before).
+    strategy = kd.MirroredStrategy(cpus(4))
+    dataset = strategy.experimental_distribute_dataset([np.ones(4, "float32")] * 2)
+    made = {}
+
+    @kd.function
+    def count_steps(dataset):
+        if "steps" not in made:
+            with strategy.scope():
+                made["steps"] = keras.Variable(keras.initializers.Constant(5.0), shape=())
+        for x in dataset:
+            made["steps"].assign_add(1.0)
+            strategy.run(lambda v: v * 2.0, args=(x,))
+        return made["steps"].value
+
+    assert [float(count_steps(dataset)) for _ in range(2)] == [7.0, 9.0]  # as TF's
