@@ -460,3 +460,5 @@ class _WorkerSideStrategy:
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         return DirectDataset(dataset_fn)
+
+    experimental_distribute_datasets_from_function = distribute_datasets_from_function

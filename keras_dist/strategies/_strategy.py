@@ -8,6 +8,7 @@ the message.
 
 import contextlib
 import operator
+import warnings
 
 import jax
 import numpy as np
@@ -177,6 +178,26 @@ class Strategy(DistributionStrategy):
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """Calls ``dataset_fn(InputContext)`` per pipeline; replicas take its batches in turn."""
         return DistributedDataset.from_function(self, dataset_fn, options)
+
+    def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
+        """TF's deprecated name of ``distribute_datasets_from_function`` (older code uses it).
+
+        >>> import warnings, numpy as np, keras_dist as kd
+        >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     dataset = strategy.experimental_distribute_datasets_from_function(
+        ...         lambda ctx: [np.ones(2), np.zeros(2)])
+        >>> [v.tolist() for v in strategy.experimental_local_results(next(iter(dataset)))]
+        [[1.0, 1.0], [0.0, 0.0]]
+        """
+        warnings.warn(
+            "`experimental_distribute_datasets_from_function` is deprecated (as in TF): "
+            "rename it to `distribute_datasets_from_function`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.distribute_datasets_from_function(dataset_fn, options)
 
     def experimental_make_numpy_dataset(self, numpy_input):
         """A dataset of the rows of ``numpy_input`` (a nest of arrays); ``.batch(n)`` batches it."""

@@ -325,6 +325,16 @@ def test_dataset_from_function_uneven_batches(n, drop_remainder):
     assert _epoch(strategy, dataset) == expected
 
 
+def test_deprecated_experimental_name_distributes_the_same_and_warns():
+    # TF keeps experimental_distribute_datasets_from_function as a deprecated alias.
+    strategy = kd.MirroredStrategy(cpus(2))
+    per_replica = _batches(9, 2)
+    with pytest.warns(DeprecationWarning, match="rename it to `distribute_datasets_from_function`"):
+        old = strategy.experimental_distribute_datasets_from_function(lambda ctx: per_replica)
+    new = strategy.distribute_datasets_from_function(lambda ctx: per_replica)
+    assert _epoch(strategy, old) == _epoch(strategy, new) == _in_steps(per_replica, 2)
+
+
 def test_dataset_from_function_empty_batches_keep_dtype_and_trailing_shape():
     strategy = kd.MirroredStrategy(cpus(4))
     batches = [(np.ones((2, 3), "float32"), np.arange(2, dtype="int32"))] * 5
