@@ -52,6 +52,32 @@ class FakeTFDataset:
         return iter(self.rows)
 
 
+class FakeTFBatches:
+    """Looks like a batched ``tf.data.Dataset``: ``element_spec`` knows the batch size or not."""
+
+    __module__ = "tensorflow.python.data.ops.dataset_ops"
+
+    def __init__(self, batches, drop_remainder):
+        self.batches = batches
+        shape = types.SimpleNamespace(is_fully_defined=lambda: drop_remainder)
+        self.element_spec = types.SimpleNamespace(shape=shape)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+@pytest.mark.parametrize("drop_remainder, steps", [(True, 2), (False, 3)])
+def test_a_tf_data_batch_size_known_ahead_ends_the_input_at_a_short_round(drop_remainder, steps):
+    # TF 2.21, 4 replicas: range(22).batch(2, drop_remainder=True) gives 2 steps, and
+    # batch(2) 3 (the third with an empty batch), as the test with TF below checks.
+    strategy = kd.MirroredStrategy(cpus(4))
+    batches = [np.arange(i, i + 2) for i in range(0, 22, 2)]
+    dataset = strategy.distribute_datasets_from_function(
+        lambda ctx: FakeTFBatches(batches, drop_remainder)
+    )
+    assert len(list(dataset)) == steps
+
+
 def test_tensors_are_arrays_in_run_reduce_and_value_functions():
     strategy = kd.MirroredStrategy(cpus(4))
     values = strategy.experimental_distribute_values_from_function(
@@ -130,3 +156,23 @@ def test_tf_data_pipeline_and_tf_tensors_with_tensorflow():
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     unbatched = dataset.unbatch().with_options(options)
     assert len(list(kd.data.auto_shard(unbatched, num_shards=2, index=1))) == 10
+
+
+@pytest.mark.parametrize("drop_remainder, steps", [(True, 2), (False, 3)])
+def test_tf_data_static_shapes_in_datasets_from_function_with_tensorflow(drop_remainder, steps):
+    tf = pytest.importorskip("tensorflow")
+    strategy = kd.MirroredStrategy(cpus(4))
+    dataset = strategy.distribute_datasets_from_function(
+        lambda ctx: tf.data.Dataset.range(22).batch(2, drop_remainder=drop_remainder)
+    )
+    epoch = [
+        [np.asarray(v).tolist() for v in strategy.experimental_local_results(x)] for x in dataset
+    ]
+    assert len(epoch) == steps
+    assert epoch[1] == [[8, 9], [10, 11], [12, 13], [14, 15]]
+    if not drop_remainder:
+        assert epoch[2] == [[16, 17], [18, 19], [20, 21], []]
+    scalars = strategy.distribute_datasets_from_function(lambda ctx: tf.data.Dataset.range(6))
+    assert [[int(v) for v in strategy.experimental_local_results(x)] for x in scalars] == [
+        [0, 1, 2, 3]
+    ]
