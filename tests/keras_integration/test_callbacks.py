@@ -619,8 +619,7 @@ def test_tensorboard_writes_what_history_holds(tmp_path):
     histograms = [tag for tag in train.Tags()["tensors"] if tag.endswith("/histogram")]
     assert len(histograms) == 4  # two kernels and two biases
     assert {_plugin(train, tag) for tag in histograms} == {"histograms"}
-    kernel = "sequential/dense/kernel/histogram"
-    steps, values = _series(train, kernel)
+    steps, values = _series(train, model.layers[0].kernel.path + "/histogram")
     assert steps == [0, 2]
     # The last one is of the final weights: 30 buckets from min to max, 3 x 8 values.
     final = np.asarray(model.layers[0].kernel, np.float64)
