@@ -13,7 +13,8 @@
 After such a failure the process cannot take part in collectives again, and
 JAX's own shutdown would wait on the lost peer or abort from its error-polling
 thread; an exit hook ends the process with status 1 instead (the traceback is
-already printed by then).
+already printed by then). A process whose program ends waits for its peers'
+programs to end, and leaves at once if one failed (``_process_exit``).
 
 Two more things happen around ``jax.distributed.initialize``:
 
@@ -46,6 +47,8 @@ import jax
 from jax._src import distributed
 from jax._src import xla_bridge
 
+from keras_dist._process_exit import install_exit_wait
+from keras_dist._process_exit import leave_now
 from keras_dist.errors import DeadlineExceededError
 from keras_dist.errors import UnavailableError
 
@@ -113,6 +116,7 @@ def initialize(
     finally:
         _take_sigterm_back(sigterm_before)
     _leave_on_uncaught_exception()
+    install_exit_wait()
 
 
 # --- The coordinator's port --------------------------------------------------------------
@@ -284,18 +288,6 @@ def hand_sigterm_to_preemption_notifier():
                 _sigterm_to_restore = None
 
     return undo
-
-
-def leave_now(code):
-    """Ends this process at once, without JAX's shutdown.
-
-    JAX's shutdown waits at a barrier for every process. A process ending with
-    an error must not: its peers may be waiting for it in a collective, and
-    only its connections closing tells them (they then raise, naming it).
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _leave_on_uncaught_exception():

@@ -364,6 +364,53 @@ def test_sigterm_ends_the_workers_of_a_jax_cluster_within_seconds():
     assert elapsed < 5, logs
 
 
+def _ends_while_worker_1(what, seconds):
+    """Worker 0's program ends at once; worker 1's ``what`` ("fails"/"ends") after ``seconds``."""
+    strategy = kd.MultiWorkerMirroredStrategy()
+    assert float(strategy.reduce("SUM", strategy.run(lambda: 1.0), axis=None)) == 2.0
+    if strategy.cluster_resolver.task_id == 1:
+        time.sleep(seconds)
+        if what == "fails":
+            raise ValueError("worker 1 failed after training")
+    print("program ended", flush=True)
+
+
+@multiprocess
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "what, seconds, codes",
+    [
+        ("fails", 0.0, [0, 1]),  # worker 1 fails before worker 0's program ends
+        ("fails", 5.0, [0, 1]),  # ... after, while worker 0 waits to shut down
+        ("ends", 5.0, [0, 0]),  # worker 0 waits for worker 1, then both shut down
+    ],
+)
+def test_a_worker_whose_program_ended_exits_when_a_peer_fails(what, seconds, codes):
+    # JAX's shutdown waits at a barrier for every process: a peer that failed outside a
+    # collective never comes, and worker 0 hung there (TF's worker exits).
+    cluster = testing.create_cluster_spec(num_workers=2)
+    with testing.MultiProcessRunner(
+        _ends_while_worker_1, cluster, args=(what, seconds), stream_output=False
+    ) as runner:
+        runner.start()
+        _wait_for(
+            lambda: "program ended" in runner.logs("worker", 0),
+            START_TIMEOUT,
+            lambda: _logs_of(runner),
+        )
+        ended = time.monotonic()
+        _wait_for(
+            lambda: all(s.exit_code is not None for s in runner.process_status().values()),
+            seconds + 30,
+            lambda: _logs_of(runner),
+        )
+        waited = time.monotonic() - ended
+        logs = _logs_of(runner)
+        status = [s.exit_code for s in runner.process_status().values()]
+    assert status == codes, logs
+    assert waited >= seconds - 1, logs  # worker 0 waited for worker 1's program to end
+
+
 def _watch_for_preemption():
     from keras_dist.callbacks._preemption import PreemptionWatcher
 
