@@ -28,7 +28,7 @@ from keras_dist._input._split import per_replica_batches
 from keras_dist._input._static_shapes import statically_shaped
 from keras_dist._values import PerReplica
 from keras_dist.data import AutoShardPolicy
-from keras_dist.data._sharding import tf_data_auto_shard_policy_name
+from keras_dist.data._sharding import policy_of
 
 _NOTHING = object()
 
@@ -266,9 +266,7 @@ def _ahead(next_fn, options):
 
 
 def _policy_is_off(dataset) -> bool:
-    if tf_data_auto_shard_policy_name(dataset) == "OFF":
-        return True  # a tf.data.Dataset with options().experimental_distribute OFF
-    return getattr(dataset, "auto_shard_policy", None) is AutoShardPolicy.OFF
+    return policy_of(dataset) is AutoShardPolicy.OFF
 
 
 def _calls(next_fn):

@@ -7,9 +7,11 @@ layers, saving, and the pieces of Keras's train step (``_model``).
 """
 
 from keras_dist._keras._instance_patches import replaced_methods as replaced_methods
+from keras_dist._keras._internals import DataAdapter as DataAdapter
 from keras_dist._keras._internals import KerasVariable as KerasVariable
 from keras_dist._keras._internals import KerasVersionError as KerasVersionError
 from keras_dist._keras._internals import check as check_keras_internals
+from keras_dist._keras._internals import get_data_adapter as get_data_adapter
 from keras_dist._keras._layers import building_batch_norm as building_batch_norm
 from keras_dist._keras._layers import install_layer_hooks
 from keras_dist._keras._model import compute_loss_and_updates as compute_loss_and_updates

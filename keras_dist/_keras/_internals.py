@@ -31,7 +31,9 @@ from keras.src.losses import loss as loss_module
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers import loss_scale_optimizer
 from keras.src.saving import saving_lib
+from keras.src.trainers import data_adapters
 from keras.src.trainers import trainer as base_trainer
+from keras.src.trainers.data_adapters import data_adapter
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.utils import python_utils
 
@@ -54,11 +56,14 @@ is_default = python_utils.is_default
 Distribution = distribution_lib.Distribution
 initialize_all_variables = common_variables.initialize_all_variables
 unpack_x_y_sample_weight = data_adapter_utils.unpack_x_y_sample_weight
+DataAdapter = data_adapter.DataAdapter
+get_data_adapter = data_adapters.get_data_adapter
 
 __all__ = [
     "BaseOptimizer",
     "BatchNormalization",
     "CallbackList",
+    "DataAdapter",
     "Distribution",
     "History",
     "JAXEpochIterator",
@@ -74,6 +79,7 @@ __all__ = [
     "check",
     "check_attribute",
     "check_symbol",
+    "get_data_adapter",
     "get_stateless_scope",
     "global_state",
     "initialize_all_variables",
@@ -135,6 +141,10 @@ SYMBOLS = (
     Symbol(Trainer, "compile", ("self",)),
     Symbol(Trainer, "__init__", ("self",)),
     Symbol(data_adapter_utils, "unpack_x_y_sample_weight", ("data",)),
+    # fit's input under AutoShardPolicy.OFF: an adapter of ours (Keras takes one as x).
+    Symbol(DataAdapter, "get_numpy_iterator", ("self",)),
+    Symbol(DataAdapter, "get_jax_iterator", ("self",)),
+    Symbol(data_adapters, "get_data_adapter", ("x",)),
     # Which callbacks run code between two steps.
     Symbol(python_utils, "is_default", ("method",)),
     # State threading.

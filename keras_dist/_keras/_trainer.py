@@ -46,6 +46,10 @@ class TrainingIntegration(Protocol):
     def make_steps(self, model, strategy):
         """An object with ``train_function``, ``test_function``, ``predict_function``."""
 
+    def loop_input(self, data, strategy):
+        """A loop's input (``x``, ``validation_data``) with its auto-shard policy applied
+        (``kd.data.with_auto_shard_policy``; ``strategy`` is ``None`` without one)."""
+
     def host_batches(self, batches, read_ahead: bool, layout: tuple):
         """Keras's host batches as ``fit`` iterates them (read ahead or not).
 
@@ -75,7 +79,10 @@ def _wrap_loop(original, training):
 
     @functools.wraps(original)
     def loop(self, *args, **kwargs):
-        arguments = signature.bind(self, *args, **kwargs).arguments
+        bound = signature.bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        _apply_auto_shard_policies(arguments, training.model_strategy(self), training)
+        args, kwargs = bound.args[1:], bound.kwargs
         _require_steps_for_endless_inputs(arguments)
         quiet = original.__name__ in ("fit", "evaluate") and quiet_between_steps(
             arguments.get("callbacks")
@@ -155,6 +162,13 @@ def _run_loop(self, original, training, quiet, args, kwargs):
                 strategy.extended.agree_on_host_random_state()
         with strategy.scope(), training.reading(), training.steps_run_on(quiet):
             return original(self, *args, **kwargs)
+
+
+def _apply_auto_shard_policies(arguments, strategy, training) -> None:
+    """Inputs carrying an auto-shard policy, as the loop reads them."""
+    for name in ("x", "validation_data"):
+        if arguments.get(name) is not None:
+            arguments[name] = training.loop_input(arguments[name], strategy)
 
 
 # Which argument gives the number of steps for an input, per loop argument.

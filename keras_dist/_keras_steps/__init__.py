@@ -11,6 +11,7 @@ from keras_dist import _context
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._input import Prefetch
 from keras_dist._input import densify
+from keras_dist._keras_steps._auto_shard_input import loop_input
 from keras_dist._keras_steps._optimizer_apply import (
     apply_in_replica_context as apply_in_replica_context,
 )
@@ -31,6 +32,7 @@ class _KerasIntegration:
     check_fit_context = staticmethod(check_fit_context)
     steps_run_on = staticmethod(steps_run_on)
     wait_for_steps = staticmethod(wait_for_steps)
+    loop_input = staticmethod(loop_input)
 
     @staticmethod
     def make_steps(model, strategy):

@@ -161,6 +161,24 @@ def _check_enough_files(dataset, num_shards):
         )
 
 
+def policy_of(dataset) -> "AutoShardPolicy | None":
+    """The policy attached to ``dataset`` (``with_auto_shard_policy``, a tf.data option), if any.
+
+    >>> policy_of(with_auto_shard_policy(range(4), "OFF")), policy_of(range(4))
+    (<AutoShardPolicy.OFF: -1>, None)
+    """
+    policy = getattr(dataset, "auto_shard_policy", None)
+    if isinstance(policy, AutoShardPolicy):
+        return policy
+    name = tf_data_auto_shard_policy_name(dataset)
+    return None if name is None else _tf_data_policy(dataset)
+
+
+def without_policy(dataset):
+    """The dataset ``with_auto_shard_policy`` wrapped (``dataset`` itself otherwise)."""
+    return dataset.dataset if isinstance(dataset, _WithPolicy) else dataset
+
+
 def tf_data_auto_shard_policy_name(dataset) -> "str | None":
     """The name of a ``tf.data.Dataset``'s ``auto_shard_policy`` option, else ``None``."""
     if not (type(dataset).__module__ or "").startswith("tensorflow"):

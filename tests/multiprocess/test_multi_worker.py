@@ -409,6 +409,53 @@ def test_fit_on_two_workers_equals_one_device_and_checkpoints_once(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["train"]
 
 
+def _endless_batches(rows):
+    """A generator of ``rows``-row batches cycling through 64 regression rows (TF's repeat)."""
+    x, y = _regression_data(64)
+    start = 0
+    while True:
+        index = np.arange(start, start + rows) % 64
+        yield x[index], y[index]
+        start += rows
+
+
+def _fit_with_policies_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import keras
+
+    keras.utils.set_random_seed(0)
+    initial = _tiny_model().get_weights()
+    results = {"initial": _flat(initial)}
+    for policy in ("OFF", "DATA", None):
+        with strategy.scope():
+            model = _tiny_model()  # a fresh optimizer: no momentum from the last run
+        model.set_weights(initial)
+        data = _endless_batches(16)
+        if policy is not None:
+            data = kd.data.with_auto_shard_policy(data, policy)
+        history = model.fit(data, epochs=2, steps_per_epoch=3, verbose=0)
+        results[policy] = (history.history["loss"], _flat(model.get_weights()))
+    return results
+
+
+def test_fit_takes_auto_shard_policies_and_off_has_every_worker_read_all():
+    # TF: with AutoShardPolicy.OFF both workers read all of the data, each global batch of
+    # 16 is rebatched into pieces of 8 and each worker's replica takes them in turn: both
+    # train on the same 8 rows each step, as one device does on batches of 8 (the tutorial's
+    # numbers matched TF 2.21 this way). DATA is fit's own split of each global batch.
+    chief, worker = _launch(_fit_with_policies_worker)
+    np.testing.assert_array_equal(chief["OFF"][1], worker["OFF"][1])
+    for policy, rows in (("OFF", 8), ("DATA", 16)):
+        model = _tiny_model()
+        shapes = [w.shape for w in model.get_weights()]
+        split = np.split(chief["initial"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+        model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+        history = model.fit(_endless_batches(rows), epochs=2, steps_per_epoch=3, verbose=0)
+        np.testing.assert_allclose(chief[policy][0], history.history["loss"], rtol=1e-5)
+        np.testing.assert_allclose(chief[policy][1], _flat(model.get_weights()), atol=1e-5)
+    np.testing.assert_array_equal(chief["DATA"][1], chief[None][1])  # the default split
+
+
 def _loop_with_a_partial_batch(strategy, initial=None):
     """TF's custom loop with a metric; the last batch (69 = 4 x 16 + 5) splits 3 / 2."""
     import keras

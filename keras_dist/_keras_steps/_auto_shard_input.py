@@ -1,0 +1,106 @@
+"""``fit``'s input with an auto-shard policy attached (``kd.data.with_auto_shard_policy``).
+
+``fit`` splits each global batch between every worker's replicas, each worker
+keeping its own pieces: TF's AUTO and DATA policies give the same steps, so
+their input is passed on as it is. ``AutoShardPolicy.OFF`` has every worker
+read all of the data (TF's rebatching without sharding): each global batch is
+cut into per-replica pieces of ``global / replicas`` rows, and each worker's
+replicas take them in turn, so every worker trains on the same rows in a step
+(``EveryWorkerReadsAll``).
+"""
+
+import jax
+import numpy as np
+
+from keras_dist._capabilities import MeshRuntime
+from keras_dist._input import batch_rows
+from keras_dist._input._host_arrays import to_host_arrays
+from keras_dist._keras import DataAdapter
+from keras_dist._keras import get_data_adapter
+from keras_dist.data import AutoShardPolicy
+from keras_dist.data._sharding import policy_of
+from keras_dist.data._sharding import without_policy
+
+
+def loop_input(data, strategy):
+    """``data`` as Keras's loops should read it, its auto-shard policy applied."""
+    extended = None if strategy is None else strategy.extended
+    policy = policy_of(data)
+    if policy is None:
+        return data
+    data = without_policy(data)
+    if policy is AutoShardPolicy.OFF and isinstance(extended, MeshRuntime):
+        if extended.spans_processes:
+            return EveryWorkerReadsAll(
+                get_data_adapter(data), extended.num_workers, extended.num_local_replicas
+            )
+    return data
+
+
+class EveryWorkerReadsAll(DataAdapter):
+    """Global batches in which this step's per-replica pieces stand once per worker.
+
+    ``fit`` keeps each worker's pieces of a global batch; here every worker's
+    pieces are the same: the next ``local_replicas`` pieces of the data, in
+    replica order, read through ``adapter`` (Keras's adapter of the data).
+
+    >>> adapter = EveryWorkerReadsAll(
+    ...     get_data_adapter((np.arange(8),) for _ in range(1)), num_workers=2, local_replicas=1)
+    >>> [b[0].tolist() for b in adapter.get_numpy_iterator()]
+    [[0, 1, 2, 3, 0, 1, 2, 3], [4, 5, 6, 7, 4, 5, 6, 7]]
+    """
+
+    def __init__(self, adapter, num_workers, local_replicas):
+        self._adapter = adapter
+        self._num_workers = num_workers
+        self._local_replicas = local_replicas
+
+    def get_numpy_iterator(self):
+        replicas = self._num_workers * self._local_replicas
+        piece_rows = None
+        pending = []
+        for batch in self._adapter.get_numpy_iterator():
+            batch = to_host_arrays(batch)
+            rows = batch_rows(batch)
+            # TF's rebatching: the first batch sets the per-replica size.
+            piece_rows = piece_rows or max(1, rows // replicas)
+            for start in range(0, rows, piece_rows):
+                pending.append(
+                    jax.tree_util.tree_map(lambda x, s=start: x[s : s + piece_rows], batch)
+                )
+            while len(pending) >= self._local_replicas:
+                yield self._for_every_worker(pending[: self._local_replicas])
+                del pending[: self._local_replicas]
+        if pending:
+            # Fewer pieces than replicas: fit spreads the rows over this worker's replicas.
+            yield self._for_every_worker(pending)
+
+    def get_jax_iterator(self):
+        return self.get_numpy_iterator()
+
+    def on_epoch_begin(self):
+        self._adapter.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self._adapter.on_epoch_end()
+
+    def _for_every_worker(self, pieces):
+        return jax.tree_util.tree_map(
+            lambda *parts: np.concatenate(parts * self._num_workers), *pieces
+        )
+
+    @property
+    def num_batches(self):
+        return None  # the steps change with the piece size: give steps_per_epoch
+
+    @property
+    def batch_size(self):
+        return None
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
