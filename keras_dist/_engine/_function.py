@@ -33,6 +33,9 @@ from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
+from keras_dist._engine._function_placement import for_trace
+from keras_dist._engine._function_placement import on_first_device
+from keras_dist._engine._function_placement import to_program_placement
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
@@ -73,6 +76,8 @@ class _Program:
         self._access = [_state_access(v, extendeds) for v in state]
         self._held = [_holding(v) for v in state]
         self._stored = StoredOutputs()
+        # Where the program takes its array arguments (after the threaded state).
+        self._argument_shardings = compiled.input_shardings[0][1]
 
     def current(self) -> bool:
         alive = all(r() is not None for r in self._state)
@@ -84,6 +89,7 @@ class _Program:
         if not self._stored.unchanged(values):  # else the arrays this program's last call left
             values = [read(v) for (read, _), v in zip(self._access, state)]
         copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
+        dynamic = to_program_placement(dynamic, self._argument_shardings)
         if self._mesh is not None:
             # As the strategy runs its programs: across processes under the peer
             # watch, so that a lost worker is named instead of waited on forever.
@@ -202,7 +208,7 @@ def _rebuild(treedef, layout, arrays):
         elif slot is _MIRRORED:
             leaves.append(Mirrored(None, _replicated=next(arrays), _validate=False))
         elif slot is _ARRAY:
-            leaves.append(next(arrays))
+            leaves.append(on_first_device(next(arrays)))
         else:
             leaves.append(slot)
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -338,7 +344,9 @@ class Function:
             shardings = [getattr(x, "sharding", None) for x in values]
             traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)
             try:
-                traced = jax.jit(traceable, donate_argnums=0).trace(values, dynamic)
+                traced = jax.jit(traceable, donate_argnums=0).trace(
+                    values, [for_trace(x) for x in dynamic]
+                )
             except InputReadInTrace:
                 _initialize_created(trace)  # the Python that runs instead uses them
                 raise

@@ -297,3 +297,34 @@ def test_local_results_and_values_from_function_inside_a_function():
     np.testing.assert_allclose(summed, [24.0, 32.0])  # rows 2i, 2i+1 doubled, summed
     assert [float(v) for v in per_replica_sums] == [2.0, 10.0, 18.0, 26.0]
     assert float(id_sum) == 6.0
+
+
+def test_results_of_full_and_partial_batches_add_up_as_in_tfs_tutorial():
+    # TF's custom-training tutorial: `total_loss += distributed_train_step(x)` over an
+    # epoch whose last batch is partial (compiled program, then the step run as Python).
+    # A compiled result lived on all 4 devices and the partial one on the first, and JAX
+    # refused to add them; TF gives 120 + 70 = 190.
+    strategy = kd.MirroredStrategy(cpus(4))
+    x = np.arange(20, dtype="float32").reshape(10, 2)
+
+    def summed(batch):
+        return strategy.reduce(
+            "SUM", strategy.run(lambda v: keras.ops.sum(v), args=(batch,)), axis=None
+        )
+
+    step = kd.function(summed)
+    total = 0.0
+    for batch in strategy.experimental_distribute_dataset([x[:8], x[8:]]):
+        total += step(batch)
+    assert float(total) == 190.0
+
+    # Eager and compiled results mix, and either can be an argument of a compiled step.
+    full, partial = strategy.experimental_distribute_dataset([x[:8], x[8:]])
+    results = [summed(full), summed(partial), step(full), step(partial)]
+    assert float(sum(results[1:], results[0])) == 380.0
+
+    @kd.function
+    def adds_to(carried, batch):
+        return carried + summed(batch)
+
+    assert [float(adds_to(r, full)) for r in results] == [240.0, 190.0, 240.0, 190.0]
