@@ -343,6 +343,41 @@ def test_per_worker_datasets(coordinator):
     assert total.fetch() == 5
 
 
+def test_a_smaller_last_batch_runs_the_same_program(three_ps):
+    # TF's tutorial batches a dataset without dropping the remainder (and repeats it):
+    # TF 2.21 gives [6, 22, 17] for batches of 4, 4 and 2 rows on one worker. A program
+    # traced for 4 rows refused the last one.
+    coordinator = ClusterCoordinator(kd.ParameterServerStrategy(three_ps))
+    x = np.arange(10, dtype="float32")
+
+    def dataset_fn():
+        while True:
+            yield from (x[i : i + 4] for i in range(0, 10, 4))
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    programs = coordinator.strategy.extended.programs
+    before = programs.traces
+    results = [
+        coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,)) for _ in range(4)
+    ]
+    coordinator.join()
+    assert [float(r.fetch()) for r in results] == [6.0, 22.0, 17.0, 6.0]
+    assert programs.traces == before + 1
+    coordinator.stop()
+
+
+def test_a_dataset_function_that_does_not_pickle_is_refused_at_once(coordinator):
+    # It goes to the workers pickled; the PicklingError surfaced only from join().
+    lock = threading.Lock()  # captured, and a lock does not pickle
+
+    def dataset_fn():
+        with lock:
+            return [np.arange(4)]
+
+    with pytest.raises(ValueError, match=r"does not pickle.*Received: dataset_fn="):
+        coordinator.create_per_worker_dataset(dataset_fn)
+
+
 def test_per_worker_dataset_shards_by_worker_index(coordinator):
     def dataset_fn():
         index = kd.coordinator.experimental_get_current_worker_index()
@@ -404,14 +439,14 @@ def test_closure_error_is_raised_by_join_then_cleared(coordinator):
 def test_invalid_argument_on_a_worker_is_raised_by_join_then_cleared(five_workers):
     strategy = kd.ParameterServerStrategy(five_workers)
     coordinator = ClusterCoordinator(strategy)
-    ragged = coordinator.create_per_worker_dataset(
-        lambda: [np.arange(4.0, dtype="float32"), np.arange(3.0, dtype="float32")]
+    reshaped = coordinator.create_per_worker_dataset(
+        lambda: [np.arange(4.0, dtype="float32"), np.ones((3, 2), "float32")]
     )
-    iterator = iter(ragged)
+    iterator = iter(reshaped)
     first = coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,))
     assert float(first.fetch()) == 6.0
     coordinator.join()
-    # Only one worker has read its first batch: run on all until one meets a short batch.
+    # Only one worker has read its first batch: run on all until one meets a 2-d one.
     with pytest.raises(errors.InvalidArgumentError, match="differ from those it was traced"):
         for _ in range(20):
             coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,))
@@ -493,12 +528,12 @@ def test_closure_in_flight_on_another_worker_is_cancelled_by_an_error(two_worker
     try:
         slow = coordinator.schedule(lambda x: x * 2, args=(np.int32(21),))
         assert started.wait(30)
-        # Only the other worker is free: it reads a batch of 4, then one of 3
-        # that the program (traced for 4) refuses.
-        ragged = coordinator.create_per_worker_dataset(
-            lambda: [np.arange(4.0, dtype="float32"), np.arange(3.0, dtype="float32")]
+        # Only the other worker is free: it reads a batch of 4 rows, then one of
+        # rows of 2 that the program (traced for single values) refuses.
+        reshaped = coordinator.create_per_worker_dataset(
+            lambda: [np.arange(4.0, dtype="float32"), np.ones((3, 2), "float32")]
         )
-        iterator = iter(ragged)
+        iterator = iter(reshaped)
         first = coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,))
         assert float(first.fetch()) == 6.0
         failing = coordinator.schedule(lambda it: keras.ops.sum(next(it)), args=(iterator,))

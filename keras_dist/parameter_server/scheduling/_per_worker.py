@@ -8,6 +8,7 @@ whose ``next()`` inside a scheduled function reads the worker's own data.
 
 import itertools
 
+import cloudpickle
 import jax
 import numpy as np
 
@@ -42,6 +43,8 @@ class PerWorkerDataset:
 
     ``element_spec`` is the structure of one element, found by building the
     dataset once on the coordinator, as TF traces the dataset function there.
+    The function travels to the workers pickled once here, so that one that
+    does not pickle is refused at once rather than when a worker first needs it.
     """
 
     def __init__(self, coordinator, dataset_fn, element_spec):
@@ -49,6 +52,15 @@ class PerWorkerDataset:
         self.dataset_fn = dataset_fn
         self.element_spec = element_spec
         self.dataset_id = new_resource_id("dataset")
+        try:
+            self.pickled_fn = cloudpickle.dumps(dataset_fn)
+        except Exception as error:
+            raise ValueError(
+                "The per-worker dataset function goes to the workers pickled (cloudpickle), "
+                f"and it does not pickle: {type(error).__name__}: {error}. Build what it "
+                "captures inside the function instead (a lock, an open file...). "
+                f"Received: dataset_fn={dataset_fn!r}"
+            ) from error
 
     def __iter__(self):
         return PerWorkerIterator(self)

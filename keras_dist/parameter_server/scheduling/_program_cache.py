@@ -226,12 +226,16 @@ class ProgramCache:
         counts = [1] * len(iterators)
         record: dict = {}
 
-        def build(used_variables, counts, route, plan=()):
+        def build(used_variables, counts, route, plan=(), any_batch_size=False):
             element_specs = []
+            batch_sizes = _batch_size_symbols(sum(counts)) if any_batch_size else None
             for (_, iterator), count in zip(iterators, counts):
                 elem_tree, specs = iterator.dataset.element_spec
-                structs = [jax.ShapeDtypeStruct(s, d) for s, d in specs]
-                element_specs.append((elem_tree, structs, count))
+                per_element = []  # the leaves' specs of each element the program reads
+                for _ in range(count):
+                    size = None if batch_sizes is None else batch_sizes.pop(0)
+                    per_element.append([_element_struct(*spec, size) for spec in specs])
+                element_specs.append((elem_tree, per_element))
 
             def pure(*flat):
                 position = len(used_variables)
@@ -240,9 +244,9 @@ class ProgramCache:
                     values[i] = flat[position]
                     position += 1
                 traced_iterators = []
-                for (i, _), (elem_tree, structs, count) in zip(iterators, element_specs):
+                for (i, _), (elem_tree, per_element) in zip(iterators, element_specs):
                     elements = []
-                    for _ in range(count):
+                    for structs in per_element:
                         group = flat[position : position + len(structs)]
                         elements.append(jax.tree_util.tree_unflatten(elem_tree, list(group)))
                         position += len(structs)
@@ -288,8 +292,9 @@ class ProgramCache:
 
             specs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in used_variables]
             specs += [arg_specs[i] for i in arg_positions]
-            for _, structs, count in element_specs:
-                specs += structs * count
+            for _, per_element in element_specs:
+                for structs in per_element:
+                    specs += structs
             specs.append(jax.ShapeDtypeStruct((), jnp.int32))
             return pure, specs
 
@@ -315,8 +320,14 @@ class ProgramCache:
         needed = {n for n, _ in record["writes"]} | used_vars
         sent = {id(v) for _, update in plan for v in update.sent}
         keep = [v for n, v in enumerate(variables) if n in needed or id(v) in sent]
-        pure, specs = build(keep, counts, route=bool(plan), plan=plan)
-        exported = jax.export.export(jax.jit(pure), platforms=_platforms())(*specs)
+        try:
+            # Any batch size, as TF's traced function takes a batch dimension of None:
+            # a dataset's last, smaller batch runs the same program.
+            pure, specs = build(keep, counts, route=bool(plan), plan=plan, any_batch_size=True)
+            exported = jax.export.export(jax.jit(pure), platforms=_platforms())(*specs)
+        except Exception:  # the function needs its batch size as a number: this one only
+            pure, specs = build(keep, counts, route=bool(plan), plan=plan)
+            exported = jax.export.export(jax.jit(pure), platforms=_platforms())(*specs)
         for _, update in plan:
             strategy.extended.parameter_servers.load_update(update)
         self.traces += 1
@@ -330,6 +341,20 @@ class ProgramCache:
         )
         weakref.finalize(program, self._freed, program.program_id).atexit = False
         return program
+
+
+def _batch_size_symbols(count: int) -> list:
+    """One symbolic batch size per element a program reads (``b0``, ``b1``...), one scope."""
+    if not count:
+        return []
+    return list(jax.export.symbolic_shape(", ".join(f"b{n}" for n in range(count))))
+
+
+def _element_struct(shape, dtype, batch_size=None):
+    """An element leaf's spec; with ``batch_size`` (a symbol), its leading dimension is that."""
+    if batch_size is None or not len(shape):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct((batch_size, *shape[1:]), dtype)
 
 
 def _platforms() -> tuple:

@@ -13,8 +13,6 @@ task is fatal, as in TF: the error reaches ``join``/``schedule``.
 import threading
 import time
 
-import cloudpickle
-
 from keras_dist import errors
 from keras_dist.parameter_server.rpc import _protocol as protocol
 from keras_dist.parameter_server.rpc._transport import RpcClient
@@ -218,8 +216,7 @@ class WorkerThread:
                     protocol.DATASET, dataset_id=dataset.dataset_id, worker_index=self.index
                 )
                 try:
-                    blob = cloudpickle.dumps(dataset.dataset_fn)
-                    self.client.call(header, (), blob, timeout=RUN_TIMEOUT)
+                    self.client.call(header, (), dataset.pickled_fn, timeout=RUN_TIMEOUT)
                 except errors.OpError as error:
                     if error.lost_tasks == (self.name,):
                         raise

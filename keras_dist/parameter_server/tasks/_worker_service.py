@@ -214,12 +214,13 @@ class WorkerService:
         try:
             outputs = [np.asarray(x) for x in program.call(*inputs)]
         except (TypeError, ValueError) as error:
-            # The program was traced on the coordinator for other shapes or
-            # dtypes (a dataset whose last batch is smaller, say).
+            # The program was traced on the coordinator for other dtypes or
+            # shapes (any batch size, unless the function needs it as a number).
             raise errors.InvalidArgumentError(
                 f"{self.task_name} cannot run the scheduled function on these inputs: they "
-                "differ from those it was traced for. Give every batch the same shape (drop "
-                f"the remainder). Received: {error}",
+                "differ from those it was traced for. Give every element the same structure, "
+                "dtypes and shapes but for the batch size (and the same batch size too if "
+                f"the function uses it as a number: drop the remainder). Received: {error}",
                 (self.task_name,),
             ) from None
         results, writes, updates = program.split_outputs(outputs)
