@@ -183,8 +183,6 @@ class AgreedSteps:
         present = [b for b in batches if b is not None]
         if present:
             self._template = present[0]
-        if not sizes.all() and has_scalar_leaf(self._template):
-            raise StopIteration  # decided on every worker alike: the sizes are global
         elif self._template is None:
             raise ValueError(
                 "This worker's input pipeline produced no batch before the other "
@@ -192,6 +190,8 @@ class AgreedSteps:
                 "every worker at least one batch. Received: an empty pipeline on worker "
                 f"{extended.worker_index}"
             )
+        if not sizes.all() and has_scalar_leaf(self._template):
+            raise StopIteration  # decided on every worker alike: the sizes are global
         uneven = len(set(np.maximum(sizes - 1, 0).tolist())) > 1
         return per_replica_batches(extended, batches, self._template, uneven)
 
