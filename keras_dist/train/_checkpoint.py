@@ -290,6 +290,17 @@ def _variables_for_restore(checkpoint: Checkpoint, saved: dict, save_path: str) 
     """Every variable to restore, by key, after building what must exist first."""
     leaves = checkpoint.tracked_objects()
     models = list({id(obj): obj for _, obj in leaves if _objects.is_model(obj)}.values())
+    # Every unbuilt model is refused before an optimizer is built for one: nothing changes.
+    for key, obj in leaves:
+        saved_count = sum(1 for k in saved if k.startswith(f"{key}/"))
+        unbuilt = not isinstance(obj, keras.Variable) and not obj.variables
+        if unbuilt and saved_count and not _objects.is_unbuilt_optimizer(obj):
+            raise ValueError(
+                f"`{key}` ({_objects.describe(obj)}) has no variables yet, and the checkpoint "
+                f"{save_path!r} holds {saved_count} for it. Build it before restoring "
+                "(call it on a batch, or `model.build(input_shape)`): TF's restore waits "
+                "for the variables to be created, keras_dist's assigns at once."
+            )
     for key, obj in leaves:
         saved_count = sum(1 for k in saved if k.startswith(f"{key}/"))
         if _objects.is_unbuilt_optimizer(obj) and saved_count > len(obj.variables):
@@ -301,12 +312,6 @@ def _variables_for_restore(checkpoint: Checkpoint, saved: dict, save_path: str) 
                     f"checkpoint holds exactly one model). Received: {len(models)} models"
                 )
             _objects.build_optimizer(obj, models[0])
-        elif not isinstance(obj, keras.Variable) and saved_count and not obj.variables:
-            raise ValueError(
-                f"`{key}` ({_objects.describe(obj)}) has no variables yet, and the checkpoint "
-                f"{save_path!r} holds {saved_count} for it. Build it before restoring "
-                "(call it on a batch, or `model.build(input_shape)`)."
-            )
     return _variables(leaves)
 
 

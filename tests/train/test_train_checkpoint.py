@@ -604,3 +604,26 @@ def test_two_workers_save_once_at_the_chiefs_path_and_both_restore(tmp_path):
         assert float(result["total"]) == 12.0  # 3 steps on 4 replicas, saved and restored
     # Only the chief wrote there; the worker's temporary directory is gone.
     assert sorted(os.listdir(directory)) == ["checkpoint", "ckpt-2.npz"]
+
+
+def test_an_unbuilt_model_is_refused_before_its_optimizer_is_built(tmp_path):
+    # TF's custom-training tutorial restores an optimizer and a model made afresh, before
+    # the model is built. The refusal must leave the optimizer unbuilt: building it for
+    # the model's (empty) variables first made the restore after `model.build` go wrong.
+    model, optimizer = _model_and_optimizer(kd.get_strategy())
+    optimizer.build(model.trainable_variables)
+    path = kd.train.Checkpoint(optimizer=optimizer, model=model).write(str(tmp_path / "both"))
+    new_model = keras.Sequential(
+        [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+    )  # no Input: unbuilt, as the tutorial's create_model()
+    new_optimizer = keras.optimizers.Adam(0.01)
+    checkpoint = kd.train.Checkpoint(optimizer=new_optimizer, model=new_model)
+    with pytest.raises(ValueError, match="`model` \\(Sequential\\) has no variables yet"):
+        checkpoint.read(path)
+    assert not new_optimizer.built
+    new_model.build((None, 4))
+    checkpoint.read(path).assert_consumed()
+    for restored, saved in zip(new_model.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(restored, saved)
+    for restored, saved in zip(new_optimizer.variables, optimizer.variables):
+        np.testing.assert_array_equal(np.asarray(restored), np.asarray(saved))
