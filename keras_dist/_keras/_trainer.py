@@ -46,7 +46,7 @@ class TrainingIntegration(Protocol):
     def make_steps(self, model, strategy):
         """An object with ``train_function``, ``test_function``, ``predict_function``."""
 
-    def loop_input(self, data, strategy):
+    def loop_input(self, data, strategy, shuffle: bool = False):
         """A loop's input (``x``, ``validation_data``) with its auto-shard policy applied
         (``kd.data.with_auto_shard_policy``; ``strategy`` is ``None`` without one)."""
 
@@ -81,7 +81,8 @@ def _wrap_loop(original, training):
     def loop(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
-        _apply_auto_shard_policies(arguments, training.model_strategy(self), training)
+        strategy = training.model_strategy(self)
+        _apply_auto_shard_policies(arguments, strategy, training, original.__name__)
         args, kwargs = bound.args[1:], bound.kwargs
         _require_steps_for_endless_inputs(arguments)
         quiet = original.__name__ in ("fit", "evaluate") and quiet_between_steps(
@@ -164,11 +165,13 @@ def _run_loop(self, original, training, quiet, args, kwargs):
             return original(self, *args, **kwargs)
 
 
-def _apply_auto_shard_policies(arguments, strategy, training) -> None:
-    """Inputs carrying an auto-shard policy, as the loop reads them."""
+def _apply_auto_shard_policies(arguments, strategy, training, loop) -> None:
+    """Inputs carrying an auto-shard policy, as the loop reads them (``fit`` shuffles
+    its ``x`` unless told not to, as Keras does)."""
+    shuffle = {"x": arguments.get("shuffle", loop == "fit"), "validation_data": False}
     for name in ("x", "validation_data"):
         if arguments.get(name) is not None:
-            arguments[name] = training.loop_input(arguments[name], strategy)
+            arguments[name] = training.loop_input(arguments[name], strategy, shuffle[name])
 
 
 # Which argument gives the number of steps for an input, per loop argument.

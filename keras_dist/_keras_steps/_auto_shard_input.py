@@ -22,8 +22,12 @@ from keras_dist.data._sharding import policy_of
 from keras_dist.data._sharding import without_policy
 
 
-def loop_input(data, strategy):
-    """``data`` as Keras's loops should read it, its auto-shard policy applied."""
+def loop_input(data, strategy, shuffle=False):
+    """``data`` as Keras's loops should read it, its auto-shard policy applied.
+
+    ``shuffle`` is the loop's: Keras's adapter of the data shuffles it (a
+    ``PyDataset``'s batch order) when it would without a policy.
+    """
     extended = None if strategy is None else strategy.extended
     policy = policy_of(data)
     if policy is None:
@@ -32,7 +36,9 @@ def loop_input(data, strategy):
     if policy is AutoShardPolicy.OFF and isinstance(extended, MeshRuntime):
         if extended.spans_processes:
             return EveryWorkerReadsAll(
-                get_data_adapter(data), extended.num_workers, extended.num_local_replicas
+                get_data_adapter(data, shuffle=shuffle),
+                extended.num_workers,
+                extended.num_local_replicas,
             )
     return data
 
