@@ -36,6 +36,11 @@ class NumpyDataset:
         return NumpyDataset(self._data, int(batch_size), drop_remainder)
 
     @property
+    def batch_size(self) -> "int | None":
+        """Rows per batch; ``None`` before ``batch()`` (the elements are rows)."""
+        return self._batch_size
+
+    @property
     def static_shapes(self) -> bool:
         """Whether every element has the same shape: rows, or batches without a remainder.
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._input import NumpyDataset
 from keras_dist._input import batch_rows
 from keras_dist._input._host_arrays import to_host_arrays
 from keras_dist._keras import DataAdapter
@@ -26,9 +27,14 @@ def loop_input(data, strategy, shuffle=False):
     """``data`` as Keras's loops should read it, its auto-shard policy applied.
 
     ``shuffle`` is the loop's: Keras's adapter of the data shuffles it (a
-    ``PyDataset``'s batch order) when it would without a policy.
+    ``PyDataset``'s batch order) when it would without a policy. A batched
+    ``NumpyDataset`` (``strategy.experimental_make_numpy_dataset``, the
+    counterpart of ``tf.data``'s ``from_tensor_slices(...).batch(n)``) is read
+    batch by batch, in order, as ``fit`` reads a ``tf.data`` dataset.
     """
     extended = None if strategy is None else strategy.extended
+    if isinstance(data, NumpyDataset):
+        return NumpyDatasetAdapter(data)
     policy = policy_of(data)
     if policy is None:
         return data
@@ -102,6 +108,46 @@ class EveryWorkerReadsAll(DataAdapter):
     @property
     def batch_size(self):
         return None
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
+
+
+class NumpyDatasetAdapter(DataAdapter):
+    """A batched ``NumpyDataset`` as Keras's loops read it: its batches, in order, each epoch.
+
+    >>> adapter = NumpyDatasetAdapter(NumpyDataset((np.arange(5), np.arange(5))).batch(2))
+    >>> adapter.num_batches, [len(x) for x, _ in adapter.get_numpy_iterator()]
+    (3, [2, 2, 1])
+    """
+
+    def __init__(self, dataset):
+        if dataset.batch_size is None:
+            raise ValueError(
+                "`fit`, `evaluate` and `predict` take batches: call `.batch(n)` on the "
+                "NumPy dataset first (as on a `tf.data` dataset). Received: an unbatched "
+                f"NumpyDataset of {len(dataset)} rows"
+            )
+        self._dataset = dataset
+
+    def get_numpy_iterator(self):
+        return iter(self._dataset)
+
+    def get_jax_iterator(self):
+        return iter(self._dataset)
+
+    @property
+    def num_batches(self):
+        return len(self._dataset)
+
+    @property
+    def batch_size(self):
+        return self._dataset.batch_size
 
     @property
     def has_partial_batch(self):

@@ -13,6 +13,7 @@ from keras_dist._reduce_op import ReduceOp
 from keras_dist._replica_context import ReplicaContext
 from keras_dist._values import DistributedValues
 from keras_dist._values._value_context import ValueContext
+from keras_dist._values._variables import DistributedVariable
 from keras_dist.strategies._extended import StrategyExtended
 from keras_dist.strategies._strategy import Strategy
 
@@ -33,6 +34,10 @@ class _DefaultExtended(StrategyExtended):
     @property
     def worker_devices(self) -> tuple:
         return tuple(device_name(d) for d in self.local_devices)
+
+    def variable_created_in_scope(self, v) -> bool:
+        """TF's default strategy owns the variables no other strategy created."""
+        return not isinstance(v, DistributedVariable)
 
     @property
     def default_replica_context(self):

@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 from keras_dist import _context
 from keras_dist._context import running_replica_context
 from keras_dist._reduce_op import ReduceOp
+from keras_dist._values._variables import DistributedVariable
 from keras_dist.cluster_resolver._role import ProcessRole
 from keras_dist.cluster_resolver._role import role_from_resolver
 
@@ -104,6 +105,21 @@ class TensorFlowSurface:
     def value_container(self, value) -> Any:
         """The distributed variable ``value`` belongs to, or ``value`` itself."""
         return value
+
+    def variable_created_in_scope(self, v) -> bool:
+        """Whether ``v`` was created in this strategy's scope (and so is one of its variables).
+
+        >>> import keras, keras_dist as kd
+        >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        >>> with strategy.scope():
+        ...     inside = keras.Variable(1.0)
+        >>> outside = keras.Variable(1.0)
+        >>> [strategy.extended.variable_created_in_scope(v) for v in (inside, outside)]
+        [True, False]
+        """
+        return (
+            isinstance(v, DistributedVariable) and v.distribute_strategy is self.container_strategy
+        )
 
     def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
         """``get_replica_context().all_reduce``; TF code and tests call it by this name.

@@ -772,3 +772,18 @@ def test_extended_update_on_write_with_mirrored_value(n):
         assert _components(v) == [2.0] * n
         strategy.extended.update(v, lambda var, x: var.assign_add(x), args=(value,))
         assert _components(v) == [4.0] * n
+
+
+def test_variable_created_in_scope_is_tfs():
+    # TF 2.21: a MirroredStrategy's own variable True, one made outside False; the default
+    # strategy owns the variables no strategy created.
+    first, second = kd.MirroredStrategy(cpus(2)), kd.MirroredStrategy(cpus(2))
+    with first.scope():
+        mine = keras.Variable(1.0)
+    plain = keras.Variable(2.0)
+    assert first.extended.variable_created_in_scope(mine)
+    assert not first.extended.variable_created_in_scope(plain)
+    assert not second.extended.variable_created_in_scope(mine)
+    default = kd.get_strategy().extended
+    assert default.variable_created_in_scope(plain)
+    assert not default.variable_created_in_scope(mine)

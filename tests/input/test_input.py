@@ -282,6 +282,25 @@ def test_reshuffling_source_gives_a_new_order_each_epoch():
 # ---------------------------------------------------------------- numpy dataset
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_fit_reads_a_batched_numpy_dataset_as_tf_reads_from_tensor_slices(n):
+    # TF 2.21: fit on from_tensor_slices((x, y)).batch(10) of 100 rows of ones, weights
+    # [[0.5]], [0], SGD: loss [0.17793291807174683, 0.07864677160978317]. Keras refused
+    # the NumPy dataset ("Unrecognized data type").
+    strategy = kd.MirroredStrategy(cpus(n))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(loss="mse", optimizer="sgd")
+    model.set_weights([np.array([[0.5]], "float32"), np.array([0.0], "float32")])
+    ones = np.ones((100, 1), "float32")
+    dataset = strategy.experimental_make_numpy_dataset((ones, ones)).batch(10)
+    history = model.fit(dataset, epochs=2, verbose=0).history["loss"]
+    np.testing.assert_allclose(history, [0.17793291807174683, 0.07864677160978317], rtol=1e-6)
+    assert model.evaluate(dataset, verbose=0) < history[-1]
+    with pytest.raises(ValueError, match=r"call `\.batch\(n\)`.*Received: an unbatched"):
+        model.fit(strategy.experimental_make_numpy_dataset((ones, ones)), verbose=0)
+
+
 def test_make_numpy_dataset_batches_and_distributes():
     strategy = kd.MirroredStrategy(cpus(2))
     numpy_dataset = strategy.experimental_make_numpy_dataset(np.arange(5))
