@@ -57,6 +57,12 @@ from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.config import _switches as _config
 
 _MAX_TRACES = 6
+# What stops a trace of the whole function; the function then runs its Python.
+_RUNS_AS_PYTHON = (
+    InputReadInTrace,
+    jax.errors.ConcretizationTypeError,  # `if x > 0:` on an input
+    jax.errors.TracerIntegerConversionError,  # `range(steps)` of an input
+)
 
 
 class _Program:
@@ -306,8 +312,10 @@ class Function:
         self._retraces.traced(code, (None, key[1], key[2]))
         try:
             program = self._build(treedef, leaves, kinds, dynamic)
-        except InputReadInTrace:
-            # The Python reads its input itself: it runs as it is, on every call.
+        except _RUNS_AS_PYTHON:
+            # The Python reads its input itself, or needs an input's value (TF's
+            # `for _ in tf.range(steps)` ported as `range(steps)`): it runs as it
+            # is, on every call, as AutoGraph's loop would run (each `run` compiled).
             self._runs_as_python = True
             return self._run_python(*given, read_ahead)
         self._programs[key] = program
@@ -347,7 +355,7 @@ class Function:
                 traced = jax.jit(traceable, donate_argnums=0).trace(
                     values, [for_trace(x) for x in dynamic]
                 )
-            except InputReadInTrace:
+            except _RUNS_AS_PYTHON:
                 _initialize_created(trace)  # the Python that runs instead uses them
                 raise
             again = _initialize_created(trace) or trace.created_variables
