@@ -49,12 +49,40 @@ def loop_input(data, strategy, shuffle=False):
     return data
 
 
-class EveryWorkerReadsAll(DataAdapter):
+class _HostBatches(DataAdapter):
+    """An adapter of NumPy batches that Keras's loops read as it does its own.
+
+    What a subclass cannot tell ahead is ``None``, as Keras's adapters answer.
+    """
+
+    def get_jax_iterator(self):
+        return self.get_numpy_iterator()
+
+    @property
+    def num_batches(self):
+        return None
+
+    @property
+    def batch_size(self):
+        return None
+
+    @property
+    def has_partial_batch(self):
+        return None
+
+    @property
+    def partial_batch_size(self):
+        return None
+
+
+class EveryWorkerReadsAll(_HostBatches):
     """Global batches in which this step's per-replica pieces stand once per worker.
 
     ``fit`` keeps each worker's pieces of a global batch; here every worker's
     pieces are the same: the next ``local_replicas`` pieces of the data, in
-    replica order, read through ``adapter`` (Keras's adapter of the data).
+    replica order, read through ``adapter`` (Keras's adapter of the data). The
+    number of steps is not known ahead (it changes with the piece size): give
+    ``steps_per_epoch``.
 
     >>> adapter = EveryWorkerReadsAll(
     ...     get_data_adapter((np.arange(8),) for _ in range(1)), num_workers=2, local_replicas=1)
@@ -87,9 +115,6 @@ class EveryWorkerReadsAll(DataAdapter):
             # Fewer pieces than replicas: fit spreads the rows over this worker's replicas.
             yield self._for_every_worker(pending)
 
-    def get_jax_iterator(self):
-        return self.get_numpy_iterator()
-
     def on_epoch_begin(self):
         self._adapter.on_epoch_begin()
 
@@ -101,24 +126,8 @@ class EveryWorkerReadsAll(DataAdapter):
             lambda *parts: np.concatenate(parts * self._num_workers), *pieces
         )
 
-    @property
-    def num_batches(self):
-        return None  # the steps change with the piece size: give steps_per_epoch
 
-    @property
-    def batch_size(self):
-        return None
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
-
-
-class NumpyDatasetAdapter(DataAdapter):
+class NumpyDatasetAdapter(_HostBatches):
     """A batched ``NumpyDataset`` as Keras's loops read it: its batches, in order, each epoch.
 
     >>> adapter = NumpyDatasetAdapter(NumpyDataset((np.arange(5), np.arange(5))).batch(2))
@@ -138,9 +147,6 @@ class NumpyDatasetAdapter(DataAdapter):
     def get_numpy_iterator(self):
         return iter(self._dataset)
 
-    def get_jax_iterator(self):
-        return iter(self._dataset)
-
     @property
     def num_batches(self):
         return len(self._dataset)
@@ -148,11 +154,3 @@ class NumpyDatasetAdapter(DataAdapter):
     @property
     def batch_size(self):
         return self._dataset.batch_size
-
-    @property
-    def has_partial_batch(self):
-        return None
-
-    @property
-    def partial_batch_size(self):
-        return None
