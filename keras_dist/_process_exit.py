@@ -17,6 +17,7 @@ things keep that from hanging:
 import atexit
 import os
 import sys
+import threading
 import time
 
 from jax._src import distributed
@@ -24,6 +25,7 @@ from jax._src import distributed
 _FAILED = "keras_dist/process_failed/"
 _ENDED = "keras_dist/process_ended/"
 _POLL_SECONDS = 0.2
+_TELL_SECONDS = 2.0
 # Then JAX's shutdown takes over (its own barrier's default timeout is as long).
 _WAIT_SECONDS = 300.0
 _hook_installed = False
@@ -78,13 +80,26 @@ def wait_for_peers_at_exit() -> None:
 
 
 def _tell_peers(prefix: str) -> None:
+    """Writes this process's key under ``prefix``; gives up after ``_TELL_SECONDS``.
+
+    On a daemon thread: the service's host may be stuck (SIGSTOP), and a process
+    on its way out after a failure must not wait on it. The peers then find out
+    by themselves (their collectives' deadline, JAX's heartbeats).
+    """
     client = distributed.global_state.client
     if client is None:
         return
-    try:
-        client.key_value_set(f"{prefix}{distributed.global_state.process_id}", "1")
-    except Exception:  # the service may be gone too: the peers then find out by themselves
-        pass
+    key = f"{prefix}{distributed.global_state.process_id}"
+
+    def tell():
+        try:
+            client.key_value_set(key, "1")
+        except Exception:  # the service is gone too
+            pass
+
+    thread = threading.Thread(target=tell, name="keras_dist-tell-peers", daemon=True)
+    thread.start()
+    thread.join(_TELL_SECONDS)
 
 
 def _processes(client, prefix: str) -> set:

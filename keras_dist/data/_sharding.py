@@ -124,7 +124,7 @@ def auto_shard(dataset, input_context=None, *, num_shards=None, index=None):
             "auto_shard needs an InputContext, or num_shards and an index in "
             f"[0, num_shards). Received: num_shards={num_shards}, index={index}"
         )
-    policy = getattr(dataset, "auto_shard_policy", None) or _tf_data_policy(dataset)
+    policy = policy_of(dataset) or AutoShardPolicy.AUTO
     dataset = getattr(dataset, "dataset", dataset)
     if num_shards == 1 or policy is AutoShardPolicy.OFF:
         return dataset
@@ -171,7 +171,9 @@ def policy_of(dataset) -> "AutoShardPolicy | None":
     if isinstance(policy, AutoShardPolicy):
         return policy
     name = tf_data_auto_shard_policy_name(dataset)
-    return None if name is None else _tf_data_policy(dataset)
+    if name is None:
+        return None
+    return AutoShardPolicy.__members__.get(name, AutoShardPolicy.AUTO)  # TF's HINT: AUTO
 
 
 def without_policy(dataset):
@@ -191,9 +193,3 @@ def tf_data_auto_shard_policy_name(dataset) -> "str | None":
     except AttributeError:
         return None
     return getattr(policy, "name", None)
-
-
-def _tf_data_policy(dataset) -> AutoShardPolicy:
-    """A ``tf.data.Dataset``'s own policy (TF's HINT has no counterpart: AUTO)."""
-    name = tf_data_auto_shard_policy_name(dataset)
-    return AutoShardPolicy.__members__.get(name or "AUTO", AutoShardPolicy.AUTO)
