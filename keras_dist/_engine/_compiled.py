@@ -126,7 +126,7 @@ class _Entry:
         store = extended.store_computed
         for variable, value in zip(mirrored_variables, new_mirrored):
             store(variable, value)
-        self._stored.remember([v.stored() for v in mirrored_variables], new_mirrored)
+        self._stored.remember(new_mirrored)
         for variable, value in zip(sync_on_read_variables, new_sync_on_read):
             variable.store(value)
         return self._outputs(outputs, sums, replicated)

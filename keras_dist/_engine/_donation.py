@@ -47,16 +47,17 @@ def copy_shared_buffers(*lists):
 
 
 class StoredOutputs:
-    """Whether variables still hold the arrays a program's last call stored in them.
+    """Whether variables still hold the arrays a program's last call output for them.
 
     Those are the program's own outputs: placed as it takes them and each a
     buffer of its own, so the next call can pass them as they are. Held weakly:
-    an array a variable no longer holds is freed as before.
+    an array a variable no longer holds is freed as before. A strategy that
+    stores copies (a parameter device) never holds them: its calls read anew.
 
     >>> import jax.numpy as jnp
     >>> outputs = [jnp.zeros(2), jnp.ones(2)]
     >>> kept = StoredOutputs()
-    >>> kept.remember(list(outputs), outputs)
+    >>> kept.remember(outputs)
     >>> kept.unchanged(outputs), kept.unchanged([outputs[0], jnp.ones(2)])
     (True, False)
     """
@@ -64,11 +65,9 @@ class StoredOutputs:
     def __init__(self):
         self._refs = None
 
-    def remember(self, stored: list, outputs: list) -> None:
-        """Notes ``stored`` (what the variables hold now) if it is the program's ``outputs``
-        themselves (a strategy that keeps variables elsewhere stores copies)."""
-        same = all(a is b for a, b in zip(stored, outputs))
-        self._refs = [weakref.ref(a) for a in stored] if same else None
+    def remember(self, outputs: list) -> None:
+        """Notes the program's new state ``outputs``, one per variable, in order."""
+        self._refs = list(map(weakref.ref, outputs))
 
     def unchanged(self, stored: list) -> bool:
         """Whether ``stored`` (one program's variables, in order) are the arrays remembered."""

@@ -33,9 +33,9 @@ from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
+from keras_dist._engine._function_placement import ProgramPlacement
 from keras_dist._engine._function_placement import for_trace
 from keras_dist._engine._function_placement import on_first_device
-from keras_dist._engine._function_placement import to_program_placement
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
@@ -71,8 +71,12 @@ class _Program:
     def __init__(self, compiled, lowered, state, extendeds, out_record, versions):
         self.compiled = compiled
         self.lowered = lowered  # kept for inspection: tests count collectives in it
-        self._state = [weakref.ref(v) for v in state]
+        # Held weakly; a variable's death marks the program stale (no check per call).
+        self._liveness = _Liveness()
+        self._state = [weakref.ref(v, self._liveness.died) for v in state]
         self.extendeds = extendeds
+        # Calls into the first strategy are serialized (``StrategyExtended.lock``).
+        self.lock = extendeds[0].lock if extendeds else contextlib.nullcontext()
         # ``cut_to_local``: the outputs hold ``LocalResults`` (only across processes).
         self.out_treedef, self.out_layout, self.cut_to_local = out_record
         self.versions = versions
@@ -83,11 +87,10 @@ class _Program:
         self._held = [_holding(v) for v in state]
         self._stored = StoredOutputs()
         # Where the program takes its array arguments (after the threaded state).
-        self._argument_shardings = compiled.input_shardings[0][1]
+        self._placement = ProgramPlacement(compiled.input_shardings[0][1])
 
     def current(self) -> bool:
-        alive = all(r() is not None for r in self._state)
-        return alive and self.versions == _versions(self.extendeds)
+        return self._liveness.alive and self.versions == _versions(self.extendeds)
 
     def __call__(self, dynamic):
         state = [r() for r in self._state]
@@ -95,7 +98,7 @@ class _Program:
         if not self._stored.unchanged(values):  # else the arrays this program's last call left
             values = [read(v) for (read, _), v in zip(self._access, state)]
         copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
-        dynamic = to_program_placement(dynamic, self._argument_shardings)
+        dynamic = self._placement.of(dynamic)
         if self._mesh is not None:
             # As the strategy runs its programs: across processes under the peer
             # watch, so that a lost worker is named instead of waited on forever.
@@ -104,13 +107,22 @@ class _Program:
             new_state, outputs = GATE.call(False, self.compiled, values, dynamic)
         for (_, write), variable, value in zip(self._access, state, new_state):
             write(variable, value)
-        self._stored.remember([held(v) for held, v in zip(self._held, state)], new_state)
+        self._stored.remember(new_state)
         outputs = _rebuild(self.out_treedef, self.out_layout, outputs)
         return local_only(outputs) if self.cut_to_local else outputs
 
 
 def _traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+class _Liveness:
+    """Whether every variable of a program is alive (told by their weak references)."""
+
+    alive = True
+
+    def died(self, _reference) -> None:
+        self.alive = False
 
 
 class _BoundFunction:
@@ -338,10 +350,7 @@ class Function:
             ) from error
 
     def _locked(self, program, dynamic):
-        extendeds = program.extendeds
-        if not extendeds:
-            return program(dynamic)
-        with extendeds[0].lock:
+        with program.lock:
             return program(dynamic)
 
     def _build(self, treedef, leaves, kinds, dynamic):

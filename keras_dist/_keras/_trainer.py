@@ -50,8 +50,9 @@ class TrainingIntegration(Protocol):
         """A loop's input (``x``, ``validation_data``) with its auto-shard policy applied
         (``kd.data.with_auto_shard_policy``; ``strategy`` is ``None`` without one)."""
 
-    def host_batches(self, batches, read_ahead: bool, layout: tuple):
-        """Keras's host batches as ``fit`` iterates them (read ahead or not).
+    def host_batches(self, batches, read_ahead: bool, in_memory: bool, layout: tuple):
+        """Keras's host batches as ``fit`` iterates them: ``read_ahead`` where reading
+        ahead loses nothing, ``in_memory`` for slices of arrays in memory.
 
         ``layout`` is ``(steps, batch_size, last_partial_batch_size)`` as Keras's
         data adapter knows them (``None`` where it does not).
@@ -248,16 +249,16 @@ def _wrap_get_iterator(original, training):
     @functools.wraps(original)
     def get_iterator(self):
         if _in_strategy():
-            # Host batches: the strategy splits and places them itself. They are
+            # Host batches: the strategy splits and places them itself. They may be
             # read ahead, except from a generator or an input of unknown length
             # (Keras may start a new epoch on the same iterator: batches read ahead
-            # would be lost, and a PyDataset refuses reads after its epoch ended),
-            # and from arrays in memory: a slice waits on nothing, and handing it
-            # over from a thread costs more than it takes (~50 µs a step on CPU).
+            # would be lost, and a PyDataset refuses reads after its epoch ended).
+            # Arrays in memory are not read from a thread: a slice waits on nothing,
+            # and handing it over costs more than it takes (~50 µs a step on CPU).
             adapter = self.data_adapter
             batches = adapter.get_numpy_iterator()
             kind = type(adapter).__name__
-            read_ahead = kind not in ("GeneratorDataAdapter", "ArrayDataAdapter")
+            read_ahead = kind != "GeneratorDataAdapter"
             read_ahead = read_ahead and _known(adapter, "num_batches") is not None
             partial = _known(adapter, "has_partial_batch")
             layout = (
@@ -265,7 +266,8 @@ def _wrap_get_iterator(original, training):
                 _known(adapter, "batch_size"),
                 _known(adapter, "partial_batch_size") if partial else 0,
             )
-            return training.host_batches(batches, read_ahead=read_ahead, layout=layout)
+            in_memory = kind == "ArrayDataAdapter"
+            return training.host_batches(batches, read_ahead, in_memory, layout)
         return original(self)
 
     return get_iterator

@@ -12,6 +12,8 @@ from keras_dist._capabilities import RemoteScheduling
 from keras_dist._input import Prefetch
 from keras_dist._input import densify
 from keras_dist._keras_steps._auto_shard_input import loop_input
+from keras_dist._keras_steps._device_ahead import batches_ahead
+from keras_dist._keras_steps._device_ahead import puts_ahead
 from keras_dist._keras_steps._optimizer_apply import (
     apply_in_replica_context as apply_in_replica_context,
 )
@@ -44,18 +46,20 @@ class _KerasIntegration:
     def __init__(self):
         self._open = threading.local()
 
-    def host_batches(self, batches, read_ahead: bool, layout: tuple):
-        check_same_batches_on_every_worker(_context.get_strategy().extended, layout)
+    def host_batches(self, batches, read_ahead: bool, in_memory: bool, layout: tuple):
+        extended = _context.get_strategy().extended
+        check_same_batches_on_every_worker(extended, layout)
         # Dense here already: Keras builds a model by calling it on the first batch.
         batches = map(densify, batches)
         size = _config.prefetch_buffer_size()
-        if not (size and read_ahead):
-            return batches
-        reader = Prefetch(batches, buffer_size=size)
-        readers = getattr(self._open, "readers", None)
-        if readers is not None:
-            readers.append(reader)
-        return reader
+        if size and read_ahead and not in_memory:
+            batches = Prefetch(batches, buffer_size=size)
+            readers = getattr(self._open, "readers", None)
+            if readers is not None:
+                readers.append(batches)
+        if read_ahead and puts_ahead(extended):
+            batches = batches_ahead(batches, extended)
+        return batches
 
     @contextlib.contextmanager
     def reading(self):

@@ -17,6 +17,7 @@ import numpy as np
 
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._engine import MISSED
+from keras_dist._keras_steps._device_ahead import PLACED_AHEAD
 
 
 class RepeatedSteps:
@@ -46,8 +47,10 @@ class RepeatedSteps:
         call = self._calls.get(key) if key is not None else None
         if call is None:
             return MISSED
-        n = self._replicas
-        stacked = [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]
+        stacked = PLACED_AHEAD.take(leaves, self._extended.placement.split)
+        if stacked is None:  # (rows put on the devices a step ahead: ``_device_ahead``)
+            n = self._replicas
+            stacked = [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]
         with within():
             result = self._extended.run_again(call, stacked)
         if result is MISSED:

@@ -143,11 +143,12 @@ class MeshExtended(StrategyExtended, MeshRuntime):
 
     def store_computed(self, variable, value) -> None:
         """Stores a replicated new value the way this strategy keeps variables."""
-        variable.store(self._to_storage(value))
+        if self._parameter_device is None:  # (the common case: once per variable a step)
+            variable.store(value)
+        else:
+            variable.store(self._to_storage(value))
 
     def _to_storage(self, replicated):
-        if self._parameter_device is None:
-            return replicated
         for shard in replicated.addressable_shards:
             if shard.device == self._parameter_device:
                 return shard.data

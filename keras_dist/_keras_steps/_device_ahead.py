@@ -1,0 +1,107 @@
+"""``fit``'s next batch on the accelerators while the current step runs, as Keras's own loop.
+
+Keras's JAX loop puts each batch on the GPU one step ahead
+(``JAXEpochIterator._one_batch_ahead_iterator``), so that copying it overlaps
+the step before. A strategy's step that is handed NumPy rows copies them when
+it is dispatched instead: on an H100 a ``MirroredStrategy`` fit step of an MLP
+with 4 MB batches took 1.20 ms against plain Keras's 1.06 ms. Here the batches
+``fit`` reads are put on the replicas' devices one step ahead, stacked and
+split as the step's program takes them, and ``RepeatedSteps`` hands those to
+the program in place of the NumPy rows.
+
+Only on accelerators: on CPU devices the copy is a memcpy that nothing
+overlaps. A batch put ahead that no step takes (``steps_per_execution``
+batches, a partial batch, ``predict``) is dropped; after two in a row the
+loop stops putting batches ahead.
+"""
+
+import collections
+import operator
+import threading
+
+import jax
+import numpy as np
+
+from keras_dist._capabilities import MeshRuntime
+
+_MAX_MISSES = 2  # batches put ahead in a row that no step took: stop putting them ahead
+
+
+def puts_ahead(extended) -> bool:
+    """Whether ``fit`` under this strategy puts batches on its devices a step ahead."""
+    if not isinstance(extended, MeshRuntime) or extended.spans_processes:
+        return False
+    return extended.placement.local_devices[0].platform != "cpu"
+
+
+def batches_ahead(batches, extended):
+    """``batches`` unchanged, each put on ``extended``'s devices before the one before
+    it is read (its rows then wait in ``PLACED_AHEAD`` for the step that reads it)."""
+    misses, pending, pending_placed = 0, None, False
+    for batch in batches:
+        placed = misses < _MAX_MISSES and PLACED_AHEAD.put(batch, extended)
+        if pending is not None:
+            yield pending
+            if pending_placed:
+                misses = misses + 1 if PLACED_AHEAD.drop(pending) else 0
+        pending, pending_placed = batch, placed
+    if pending is not None:
+        yield pending
+        if pending_placed:
+            PLACED_AHEAD.drop(pending)
+
+
+class PlacedAhead(threading.local):
+    """Batches' rows put on the devices ahead, by the identity of their NumPy leaves.
+
+    Per thread (each runs its own loop); at most two batches are held, so an
+    abandoned loop holds no more than that on the devices.
+
+    >>> import keras_dist as kd
+    >>> extended = kd.MirroredStrategy(["/cpu:0"]).extended
+    >>> store = PlacedAhead()
+    >>> batch = (np.ones((4, 2), "float32"),)
+    >>> store.put(batch, extended)
+    True
+    >>> [rows.shape for rows in store.take(list(batch), extended.placement.split)]
+    [(1, 4, 2)]
+    >>> store.take(list(batch), extended.placement.split) is None  # taken once
+    True
+    """
+
+    def __init__(self):
+        self._batches = collections.deque(maxlen=2)  # (leaves, stacked rows on the devices)
+
+    def put(self, batch, extended) -> bool:
+        """Starts copying ``batch``'s rows to ``extended``'s devices; ``False`` where its
+        rows do not split evenly between the replicas (the step copies those itself)."""
+        leaves = jax.tree_util.tree_leaves(batch)
+        n = extended.num_replicas_in_sync
+        if not leaves or not all(
+            type(x) is np.ndarray and x.ndim and x.shape[0] % n == 0 for x in leaves
+        ):
+            return False
+        stacked = [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]
+        self._batches.append((leaves, jax.device_put(stacked, extended.placement.split)))
+        return True
+
+    def take(self, leaves: list, sharding):
+        """The rows put ahead for ``leaves`` (the same arrays), placed by ``sharding``,
+        or ``None``; taken once."""
+        for index, (kept, rows) in enumerate(self._batches):
+            if len(kept) == len(leaves) and all(map(operator.is_, kept, leaves)):
+                del self._batches[index]
+                return rows if rows[0].sharding == sharding else None
+        return None
+
+    def drop(self, batch) -> bool:
+        """Forgets ``batch``'s rows; whether they were still there (no step took them)."""
+        leaves = jax.tree_util.tree_leaves(batch)
+        for index, (kept, _) in enumerate(self._batches):
+            if len(kept) == len(leaves) and all(map(operator.is_, kept, leaves)):
+                del self._batches[index]
+                return True
+        return False
+
+
+PLACED_AHEAD = PlacedAhead()
