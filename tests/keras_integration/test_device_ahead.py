@@ -62,8 +62,26 @@ class _Spy:
         monkeypatch.setattr(keras_steps, "puts_ahead", lambda extended: True)
 
 
-@pytest.mark.parametrize("replicas", [1, 4])
-def test_steps_take_the_rows_put_ahead_and_give_one_devices_numbers(replicas, monkeypatch):
+def _tpu_strategy(num_replicas, cores_per_replica):
+    resolver = kd.cluster_resolver.TPUClusterResolver(tpu="simulated")
+    topology = kd.tpu.experimental.initialize_tpu_system(resolver)
+    assignment = kd.tpu.experimental.DeviceAssignment.build(
+        topology, computation_shape=[cores_per_replica, 1, 1, 1], num_replicas=num_replicas
+    )
+    return kd.TPUStrategy(resolver, experimental_device_assignment=assignment)
+
+
+STRATEGIES = {
+    "one replica": lambda: kd.MirroredStrategy(cpus(1)),
+    "four replicas": lambda: kd.MirroredStrategy(cpus(4)),
+    # Replicas of two cores each: the rows are split between replicas, whole on each core.
+    "tpu, 2 cores a replica": lambda: _tpu_strategy(2, 2),
+    "central storage": lambda: kd.experimental.CentralStorageStrategy(cpus(2)),
+}
+
+
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_steps_take_the_rows_put_ahead_and_give_one_devices_numbers(strategy_name, monkeypatch):
     x, y = _data()  # 9 batches of 32 and a partial one of 12
     expected_model = _model()
     expected = expected_model.fit(
@@ -71,7 +89,7 @@ def test_steps_take_the_rows_put_ahead_and_give_one_devices_numbers(replicas, mo
     )
 
     spy = _Spy(monkeypatch)
-    with kd.MirroredStrategy(cpus(replicas)).scope():
+    with STRATEGIES[strategy_name]().scope():
         model = _model()
     history = model.fit(
         x, y, batch_size=32, epochs=3, validation_split=0.2, shuffle=False, verbose=0
