@@ -4,10 +4,10 @@ Keras's JAX loop puts each batch on the GPU one step ahead
 (``JAXEpochIterator._one_batch_ahead_iterator``), so that copying it overlaps
 the step before. A strategy's step that is handed NumPy rows copies them when
 it is dispatched instead: on an H100 a ``MirroredStrategy`` fit step of an MLP
-with 4 MB batches took 1.20 ms against plain Keras's 1.06 ms. Here the batches
-``fit`` reads are put on the replicas' devices one step ahead, stacked and
-split as the step's program takes them, and ``RepeatedSteps`` hands those to
-the program in place of the NumPy rows.
+with 4 MB batches took 1.21 ms against plain Keras's 1.06 ms. Here the
+batches ``fit`` reads are put on the replicas' devices one step ahead, stacked
+and split as the step's program takes them, and ``RepeatedSteps`` hands those
+to the program in place of the NumPy rows (then 0.95 ms against 1.13 ms).
 
 Only on accelerators: on CPU devices the copy is a memcpy that nothing
 overlaps. A batch put ahead that no step takes (``steps_per_execution``
@@ -88,20 +88,25 @@ class PlacedAhead(threading.local):
     def take(self, leaves: list, sharding):
         """The rows put ahead for ``leaves`` (the same arrays), placed by ``sharding``,
         or ``None``; taken once."""
-        for index, (kept, rows) in enumerate(self._batches):
-            if len(kept) == len(leaves) and all(map(operator.is_, kept, leaves)):
-                del self._batches[index]
-                return rows if rows[0].sharding == sharding else None
-        return None
+        index = self._index(leaves)
+        if index is None:
+            return None
+        _, rows = self._batches[index]
+        del self._batches[index]
+        return rows if rows[0].sharding == sharding else None
 
     def drop(self, batch) -> bool:
         """Forgets ``batch``'s rows; whether they were still there (no step took them)."""
-        leaves = jax.tree_util.tree_leaves(batch)
+        index = self._index(jax.tree_util.tree_leaves(batch))
+        if index is not None:
+            del self._batches[index]
+        return index is not None
+
+    def _index(self, leaves):
         for index, (kept, _) in enumerate(self._batches):
             if len(kept) == len(leaves) and all(map(operator.is_, kept, leaves)):
-                del self._batches[index]
-                return True
-        return False
+                return index
+        return None
 
 
 PLACED_AHEAD = PlacedAhead()
