@@ -101,11 +101,11 @@ class ParameterServerSteps:
 
     # Keras's loops call ``fn(state, iterator)`` and unpack ``(logs, state)``.
     def train_function(self, state, iterator):
-        steps = (self._train_step, self._train_step_on_worker_data)
+        steps = (self._train_steps, self._train_steps_on_worker_data)
         return self._schedule(steps, iterator), state
 
     def test_function(self, state, iterator):
-        steps = (self._test_step, self._test_step_on_worker_data)
+        steps = (self._test_steps, self._test_steps_on_worker_data)
         return self._schedule(steps, iterator), state
 
     def predict_function(self, state, iterator):
@@ -123,16 +123,21 @@ class ParameterServerSteps:
         return [b if _from_workers(b) else jax.tree_util.tree_map(np.asarray, b) for b in batches]
 
     def _schedule(self, steps, iterator):
-        """Schedules the batches' steps; returns the logs of the latest step that finished."""
+        """Schedules one execution's steps (``steps_per_execution`` batches) as one
+        function; returns the logs of the latest execution that finished.
+
+        As TF's multi-step train function, a worker runs them in one closure: one
+        request, the variables read once and the updates sent once for all of them.
+        """
         self.strategy.extended.set_settle(weakref.WeakMethod(self.settle))
-        for batch in self._batches(iterator):
-            if _from_workers(batch):
-                # A DatasetCreator: the worker reads the batch from its own pipeline.
-                creator = jax.tree_util.tree_leaves(batch)[0].creator
-                args = (self._per_worker_iterator(creator),)
-                self._pending.append(self.coordinator.schedule(steps[1], args=args))
-            else:
-                self._pending.append(self.coordinator.schedule(steps[0], args=(batch,)))
+        batches = self._batches(iterator)
+        if _from_workers(batches[0]):
+            # A DatasetCreator: the worker reads the batches from its own pipeline.
+            creator = jax.tree_util.tree_leaves(batches[0])[0].creator
+            args = (self._per_worker_iterator(creator), len(batches))
+            self._pending.append(self.coordinator.schedule(steps[1], args=args))
+        else:
+            self._pending.append(self.coordinator.schedule(steps[0], args=(tuple(batches),)))
         # Enough steps queued to keep every worker busy; older ones are waited for.
         limit = 2 * self.strategy.extended.num_workers
         try:
@@ -180,11 +185,17 @@ class ParameterServerSteps:
         _write_state(groups, state, new_state)
         return logs
 
-    def _train_step_on_worker_data(self, iterator):
-        return self._train_step(next(iterator))
+    def _train_steps(self, batches):
+        return [self._train_step(data) for data in batches][-1]
 
-    def _test_step_on_worker_data(self, iterator):
-        return self._test_step(next(iterator))
+    def _train_steps_on_worker_data(self, iterator, count):
+        return [self._train_step(next(iterator)) for _ in range(count)][-1]
+
+    def _test_steps(self, batches):
+        return [self._test_step(data) for data in batches][-1]
+
+    def _test_steps_on_worker_data(self, iterator, count):
+        return [self._test_step(next(iterator)) for _ in range(count)][-1]
 
     def _test_step(self, data):
         model = self.model

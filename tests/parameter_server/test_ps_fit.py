@@ -174,3 +174,70 @@ def test_dataset_creator_is_read_on_the_workers():
     assert len(history.history["val_loss"]) == 10
     # The coordinator only looked at the structure (the workers got copies of dataset_fn).
     assert set(built_for) == {0}
+
+
+class _CountSchedules:
+    """Counts the functions ``fit`` schedules on the workers."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        original = kd.coordinator.ClusterCoordinator.schedule
+
+        def schedule(coordinator, fn, args=None, kwargs=None):
+            self.count += 1
+            return original(coordinator, fn, args=args, kwargs=kwargs)
+
+        monkeypatch.setattr(kd.coordinator.ClusterCoordinator, "schedule", schedule)
+
+
+def test_steps_per_execution_runs_that_many_steps_in_one_scheduled_function(monkeypatch):
+    # 256 rows in batches of 32: 8 steps an epoch, executions of 3, 3 and 2 steps.
+    x, y = _data()
+    plain = _model(keras.optimizers.SGD(0.05, momentum=0.9))
+    expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=1, num_ps=2)
+    )
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05, momentum=0.9))
+        model.compile(model.optimizer, "mse", metrics=["mae"], steps_per_execution=3)
+    scheduled = _CountSchedules(monkeypatch)
+    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+
+    assert scheduled.count == 2 * 3
+    assert int(model.optimizer.iterations.numpy()) == 2 * 8
+    for name in ("loss", "mae"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
+    for mine, theirs in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    scheduled.count = 0
+    evaluation = model.evaluate(x, y, batch_size=64, verbose=0)  # 4 batches: 3 and 1
+    assert scheduled.count == 2
+    expected_evaluation = plain.evaluate(x, y, batch_size=64, verbose=0)
+    np.testing.assert_allclose(evaluation, expected_evaluation, rtol=1e-5)
+
+
+def test_steps_per_execution_on_two_workers_counts_every_step_from_a_dataset_creator(
+    monkeypatch,
+):
+    w = np.random.default_rng(0).normal(size=(8, 1)).astype("float32")
+
+    def dataset_fn(context):
+        rng = np.random.default_rng(context.input_pipeline_id)
+        while True:
+            x = rng.normal(size=(16, 8)).astype("float32")
+            yield x, x @ w
+
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=2, num_ps=1)
+    )
+    with strategy.scope():
+        model = _model(keras.optimizers.SGD(0.05))
+        model.compile(model.optimizer, "mse", steps_per_execution=4)
+    scheduled = _CountSchedules(monkeypatch)
+    history = model.fit(
+        kd.experimental.DatasetCreator(dataset_fn), epochs=5, steps_per_epoch=12, verbose=0
+    )
+    assert scheduled.count == 5 * 3  # each worker reads 4 batches of its own a function
+    assert int(model.optimizer.iterations.numpy()) == 5 * 12
+    assert history.history["loss"][-1] < 0.1 * history.history["loss"][0]
