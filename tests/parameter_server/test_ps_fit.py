@@ -30,7 +30,9 @@ def _model(optimizer):
     return model
 
 
-def test_one_worker_fit_equals_plain_keras():
+def _one_worker_fit_against_plain_keras(**compile_options):
+    """``(model, plain)`` after 2 epochs of ``fit`` on one worker and 2 ps, and in plain
+    Keras; their losses and weights are checked to be the same."""
     x, y = _data()
     plain = _model(keras.optimizers.SGD(0.05, momentum=0.9))
     expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
@@ -39,11 +41,19 @@ def test_one_worker_fit_equals_plain_keras():
     )
     with strategy.scope():
         model = _model(keras.optimizers.SGD(0.05, momentum=0.9))
+        if compile_options:
+            model.compile(model.optimizer, "mse", metrics=["mae"], **compile_options)
     history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     for name in ("loss", "mae"):
         np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
     for mine, theirs in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    return model, plain
+
+
+def test_one_worker_fit_equals_plain_keras():
+    x, y = _data()
+    model, plain = _one_worker_fit_against_plain_keras()
     assert {v.device for v in model.trainable_variables} == {
         "/job:ps/replica:0/task:0/device:CPU:0",
         "/job:ps/replica:0/task:1/device:CPU:0",
@@ -143,10 +153,9 @@ def test_backup_and_restore_resumes_ps_held_state_and_saves_a_plain_model(tmp_pa
     )
 
 
-def test_dataset_creator_is_read_on_the_workers():
-    # Spec 89: 10 epochs × 10 steps → optimizer.iterations == 100.
+def _endless_batches(built_for):
+    """A ``dataset_fn`` of a worker's own endless batches; it notes whom it was built for."""
     w = np.random.default_rng(0).normal(size=(8, 1)).astype("float32")
-    built_for = []
 
     def dataset_fn(context):
         built_for.append(context.input_pipeline_id)
@@ -155,11 +164,25 @@ def test_dataset_creator_is_read_on_the_workers():
             x = rng.normal(size=(16, 8)).astype("float32")
             yield x, x @ w
 
+    return dataset_fn
+
+
+def _two_worker_model(**compile_options):
     strategy = kd.ParameterServerStrategy(
         kd.testing.create_in_process_cluster(num_workers=2, num_ps=1)
     )
     with strategy.scope():
         model = _model(keras.optimizers.SGD(0.05))
+        if compile_options:
+            model.compile(model.optimizer, "mse", metrics=["mae"], **compile_options)
+    return model
+
+
+def test_dataset_creator_is_read_on_the_workers():
+    # Spec 89: 10 epochs × 10 steps → optimizer.iterations == 100.
+    built_for = []
+    dataset_fn = _endless_batches(built_for)
+    model = _two_worker_model()
     creator = kd.experimental.DatasetCreator(dataset_fn)
     history = model.fit(
         creator,
@@ -192,24 +215,11 @@ class _CountSchedules:
 
 def test_steps_per_execution_runs_that_many_steps_in_one_scheduled_function(monkeypatch):
     # 256 rows in batches of 32: 8 steps an epoch, executions of 3, 3 and 2 steps.
-    x, y = _data()
-    plain = _model(keras.optimizers.SGD(0.05, momentum=0.9))
-    expected = plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    strategy = kd.ParameterServerStrategy(
-        kd.testing.create_in_process_cluster(num_workers=1, num_ps=2)
-    )
-    with strategy.scope():
-        model = _model(keras.optimizers.SGD(0.05, momentum=0.9))
-        model.compile(model.optimizer, "mse", metrics=["mae"], steps_per_execution=3)
     scheduled = _CountSchedules(monkeypatch)
-    history = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-
+    model, plain = _one_worker_fit_against_plain_keras(steps_per_execution=3)
     assert scheduled.count == 2 * 3
     assert int(model.optimizer.iterations.numpy()) == 2 * 8
-    for name in ("loss", "mae"):
-        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
-    for mine, theirs in zip(model.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+    x, y = _data()
     scheduled.count = 0
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0)  # 4 batches: 3 and 1
     assert scheduled.count == 2
@@ -220,24 +230,10 @@ def test_steps_per_execution_runs_that_many_steps_in_one_scheduled_function(monk
 def test_steps_per_execution_on_two_workers_counts_every_step_from_a_dataset_creator(
     monkeypatch,
 ):
-    w = np.random.default_rng(0).normal(size=(8, 1)).astype("float32")
-
-    def dataset_fn(context):
-        rng = np.random.default_rng(context.input_pipeline_id)
-        while True:
-            x = rng.normal(size=(16, 8)).astype("float32")
-            yield x, x @ w
-
-    strategy = kd.ParameterServerStrategy(
-        kd.testing.create_in_process_cluster(num_workers=2, num_ps=1)
-    )
-    with strategy.scope():
-        model = _model(keras.optimizers.SGD(0.05))
-        model.compile(model.optimizer, "mse", steps_per_execution=4)
+    model = _two_worker_model(steps_per_execution=4)
     scheduled = _CountSchedules(monkeypatch)
-    history = model.fit(
-        kd.experimental.DatasetCreator(dataset_fn), epochs=5, steps_per_epoch=12, verbose=0
-    )
+    creator = kd.experimental.DatasetCreator(_endless_batches([]))
+    history = model.fit(creator, epochs=5, steps_per_epoch=12, verbose=0)
     assert scheduled.count == 5 * 3  # each worker reads 4 batches of its own a function
     assert int(model.optimizer.iterations.numpy()) == 5 * 12
     assert history.history["loss"][-1] < 0.1 * history.history["loss"][0]
