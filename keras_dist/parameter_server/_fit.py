@@ -109,11 +109,8 @@ class ParameterServerSteps:
         return self._schedule(steps, iterator), state
 
     def predict_function(self, state, iterator):
-        values = [
-            self.coordinator.schedule(self._predict_step, args=(b,))
-            for b in self._batches(iterator)
-        ]
-        outputs = [v.fetch() for v in values]
+        batches = tuple(self._batches(iterator))
+        outputs = self.coordinator.schedule(self._predict_steps, args=(batches,)).fetch()
         if len(outputs) == 1:
             return outputs[0], state
         return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs), *outputs), state
@@ -203,6 +200,9 @@ class ParameterServerSteps:
         logs, new_state = model.test_step(state, data)
         _write_state((model.metrics_variables,), state[2:], new_state[2:])
         return logs
+
+    def _predict_steps(self, batches):
+        return [self._predict_step(data) for data in batches]
 
     def _predict_step(self, data):
         model = self.model

@@ -225,6 +225,11 @@ def test_steps_per_execution_runs_that_many_steps_in_one_scheduled_function(monk
     assert scheduled.count == 2
     expected_evaluation = plain.evaluate(x, y, batch_size=64, verbose=0)
     np.testing.assert_allclose(evaluation, expected_evaluation, rtol=1e-5)
+    scheduled.count = 0
+    predictions = model.predict(x[:100], batch_size=16, verbose=0)  # 7 batches: 3, 3 and 1
+    assert scheduled.count == 3
+    expected_predictions = plain.predict(x[:100], batch_size=16, verbose=0)
+    np.testing.assert_allclose(predictions, expected_predictions, rtol=1e-5, atol=1e-6)
 
 
 def test_steps_per_execution_on_two_workers_counts_every_step_from_a_dataset_creator(
