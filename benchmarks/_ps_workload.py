@@ -39,19 +39,21 @@ def batches(seed, count=16):
     return xs, ys
 
 
-def scheduled_rates(coordinator, step_fn, iterator, workers, steps, repeats):
-    """Steps/s of ``repeats`` rounds of ``steps`` scheduled steps, after 4 warm-ups per worker.
+def scheduled_rates(coordinator, step_fn, iterator, workers, steps, repeats, per_function=1):
+    """Steps/s of ``repeats`` rounds of ``steps`` steps, after 4 warm-up functions per worker.
 
-    The same for keras_dist's and TF's ``ClusterCoordinator`` (their ``schedule``/``join``).
+    ``step_fn`` runs ``per_function`` steps each time it is scheduled. The same for
+    keras_dist's and TF's ``ClusterCoordinator`` (their ``schedule``/``join``).
     """
     for _ in range(4 * workers):  # trace, send and compile on every worker
         coordinator.schedule(step_fn, args=(iterator,))
     coordinator.join()
     rates = []
+    calls = max(1, steps // per_function)
     for _ in range(repeats):
         began = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(calls):
             coordinator.schedule(step_fn, args=(iterator,))
         coordinator.join()
-        rates.append(steps / (time.perf_counter() - began))
+        rates.append(calls * per_function / (time.perf_counter() - began))
     return rates

@@ -19,6 +19,13 @@ keras_dist / baseline. Where TensorFlow is installed (in this Python, or in the 
 ``--tf-python``), a second line compares keras_dist with TF's own ``ParameterServerStrategy``
 and ``ClusterCoordinator`` on the same workload (``_tf_parameter_server.py``, its own process).
 
+    python benchmarks/parameter_server.py --steps-per-function 8 [--tf-python PYTHON]
+
+prints instead keras_dist's rate when each scheduled function runs 8 steps (a loop over
+``next(iterator)``; TF's side, a ``tf.range`` loop in its ``tf.function``), against TF's where
+TensorFlow is found, else against one step a function. keras_dist's worker reads the variables
+and sends the updates once a function; TF's reads and updates the ps at every step.
+
     python benchmarks/parameter_server.py --scaling [--steps 100] [--repeats 1]
 
 prints instead keras_dist's rate for 1, 2 and 4 workers and 1 and 2 ps tasks (a Markdown
@@ -152,7 +159,7 @@ def baseline_rate(steps, workers=2):
 
 
 # ----------------------------------------------------------------- (a) keras_dist
-def keras_dist_rates(steps, repeats, workers=2, num_ps=1):
+def keras_dist_rates(steps, repeats, workers=2, num_ps=1, per_function=1):
     import keras_dist as kd  # first: it selects Keras's JAX backend
 
     import keras  # isort: skip
@@ -177,15 +184,18 @@ def keras_dist_rates(steps, repeats, workers=2, num_ps=1):
                 yield from zip(xs, ys)
 
         def step_fn(iterator):
-            x, y = next(iterator)
-            loss, grads = kd.value_and_grad(
-                lambda: loss_object(y, model(x)), model.trainable_variables
-            )()
-            optimizer.apply(grads, model.trainable_variables)
+            for _ in range(per_function):
+                x, y = next(iterator)
+                loss, grads = kd.value_and_grad(
+                    lambda: loss_object(y, model(x)), model.trainable_variables
+                )()
+                optimizer.apply(grads, model.trainable_variables)
             return loss
 
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-        return scheduled_rates(coordinator, step_fn, iterator, workers, steps, repeats)
+        return scheduled_rates(
+            coordinator, step_fn, iterator, workers, steps, repeats, per_function
+        )
     finally:
         cluster.stop()
 
@@ -238,7 +248,7 @@ def scaling(steps, repeats):
     )
 
 
-def tf_rate(python, steps, repeats):
+def tf_rate(python, steps, repeats, per_function=1):
     """TF's rate on the same workload, from ``_tf_parameter_server.py`` run by ``python``."""
     import os
     import re
@@ -247,6 +257,7 @@ def tf_rate(python, steps, repeats):
 
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tf_parameter_server.py")
     command = [python or sys.executable, script, "--steps", str(steps), "--repeats", str(repeats)]
+    command += ["--steps-per-function", str(per_function)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     match = re.search(r"TF ClusterCoordinator (\d+) steps/s", done.stdout)
     if match is None:
@@ -264,9 +275,15 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scaling", action="store_true", help="1, 2, 4 workers x 1, 2 ps")
     parser.add_argument("--tf-python", default=None, help="a Python with TensorFlow installed")
+    parser.add_argument(
+        "--steps-per-function", type=int, default=1, help="steps a scheduled function runs"
+    )
     args = parser.parse_args()
     if args.scaling:
         scaling(args.steps, args.repeats)
+        return
+    if args.steps_per_function > 1:
+        steps_per_function(args)
         return
     ours = statistics.median(keras_dist_rates(args.steps, args.repeats))
     baseline = statistics.median(baseline_rate(args.steps) for _ in range(args.repeats))
@@ -284,6 +301,25 @@ def main():
             f"ClusterCoordinator {tf:.0f} steps/s, ratio {ours / tf:.2f} (target >= 2.0) [cpu, "
             f"same workload, median of {args.repeats} x {args.steps} steps]"
         )
+
+
+def steps_per_function(args):
+    """keras_dist's rate with several steps in each scheduled function, against one step a
+    function and, where TensorFlow is installed, against TF with the same loop."""
+    import importlib.util
+
+    k = args.steps_per_function
+    many = statistics.median(keras_dist_rates(args.steps, args.repeats, per_function=k))
+    one = statistics.median(keras_dist_rates(args.steps, args.repeats))
+    against = f"1 step a function {one:.0f} steps/s, ratio {many / one:.2f}"
+    if args.tf_python or importlib.util.find_spec("tensorflow") is not None:
+        tf = tf_rate(args.tf_python, args.steps, args.repeats, per_function=k)
+        against = f"TF ClusterCoordinator {tf:.0f} steps/s, ratio {many / tf:.2f} (target >= 2.0)"
+    print(
+        f"parameter_server, {k} steps a scheduled function: keras_dist {many:.0f} steps/s vs "
+        f"{against} [cpu, MLP 784-512-512-10, SGD, 2 workers + 1 ps, per-worker batch {BATCH}, "
+        f"median of {args.repeats} x {args.steps} steps]"
+    )
 
 
 if __name__ == "__main__":
