@@ -153,6 +153,6 @@ def test_only_even_numpy_batches_are_put_and_at_most_two_are_held():
     assert rows[0].shape == (4, 2, 2) and rows[0].sharding == extended.placement.split
 
 
-def test_cpu_devices_and_several_processes_put_nothing_ahead():
+def test_cpu_devices_and_the_default_strategy_put_nothing_ahead():
     assert not puts_ahead(kd.MirroredStrategy(cpus(4)).extended)
     assert not puts_ahead(kd.get_strategy().extended)
