@@ -11,9 +11,8 @@ from keras_dist import _context
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._input import Prefetch
 from keras_dist._input import densify
+from keras_dist._keras_steps import _device_ahead
 from keras_dist._keras_steps._auto_shard_input import loop_input
-from keras_dist._keras_steps._device_ahead import batches_ahead
-from keras_dist._keras_steps._device_ahead import puts_ahead
 from keras_dist._keras_steps._optimizer_apply import (
     apply_in_replica_context as apply_in_replica_context,
 )
@@ -57,8 +56,8 @@ class _KerasIntegration:
             readers = getattr(self._open, "readers", None)
             if readers is not None:
                 readers.append(batches)
-        if read_ahead and puts_ahead(extended):
-            batches = batches_ahead(batches, extended)
+        if read_ahead and _device_ahead.puts_ahead(extended):
+            batches = _device_ahead.batches_ahead(batches, extended)
         return batches
 
     @contextlib.contextmanager

@@ -37,18 +37,18 @@ def puts_ahead(extended) -> bool:
 def batches_ahead(batches, extended):
     """``batches`` unchanged, each put on ``extended``'s devices before the one before
     it is read (its rows then wait in ``PLACED_AHEAD`` for the step that reads it)."""
-    misses, pending, pending_placed = 0, None, False
+    misses, pending, pending_leaves = 0, None, None
     for batch in batches:
-        placed = misses < _MAX_MISSES and PLACED_AHEAD.put(batch, extended)
+        leaves = PLACED_AHEAD.put(batch, extended) if misses < _MAX_MISSES else None
         if pending is not None:
             yield pending
-            if pending_placed:
-                misses = misses + 1 if PLACED_AHEAD.drop(pending) else 0
-        pending, pending_placed = batch, placed
+            if pending_leaves is not None:
+                misses = misses + 1 if PLACED_AHEAD.drop(pending_leaves) else 0
+        pending, pending_leaves = batch, leaves
     if pending is not None:
         yield pending
-        if pending_placed:
-            PLACED_AHEAD.drop(pending)
+        if pending_leaves is not None:
+            PLACED_AHEAD.drop(pending_leaves)
 
 
 class PlacedAhead(threading.local):
@@ -61,7 +61,7 @@ class PlacedAhead(threading.local):
     >>> extended = kd.MirroredStrategy(["/cpu:0"]).extended
     >>> store = PlacedAhead()
     >>> batch = (np.ones((4, 2), "float32"),)
-    >>> store.put(batch, extended)
+    >>> store.put(batch, extended) is not None
     True
     >>> [rows.shape for rows in store.take(list(batch), extended.placement.split)]
     [(1, 4, 2)]
@@ -72,18 +72,19 @@ class PlacedAhead(threading.local):
     def __init__(self):
         self._batches = collections.deque(maxlen=2)  # (leaves, stacked rows on the devices)
 
-    def put(self, batch, extended) -> bool:
-        """Starts copying ``batch``'s rows to ``extended``'s devices; ``False`` where its
-        rows do not split evenly between the replicas (the step copies those itself)."""
+    def put(self, batch, extended):
+        """Starts copying ``batch``'s rows to ``extended``'s devices; its leaves, or
+        ``None`` where its rows do not split evenly between the replicas (the step
+        copies those itself)."""
         leaves = jax.tree_util.tree_leaves(batch)
         n = extended.num_replicas_in_sync
         if not leaves or not all(
             type(x) is np.ndarray and x.ndim and x.shape[0] % n == 0 for x in leaves
         ):
-            return False
+            return None
         stacked = [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]
         self._batches.append((leaves, jax.device_put(stacked, extended.placement.split)))
-        return True
+        return leaves
 
     def take(self, leaves: list, sharding):
         """The rows put ahead for ``leaves`` (the same arrays), placed by ``sharding``,
@@ -95,9 +96,10 @@ class PlacedAhead(threading.local):
         del self._batches[index]
         return rows if rows[0].sharding == sharding else None
 
-    def drop(self, batch) -> bool:
-        """Forgets ``batch``'s rows; whether they were still there (no step took them)."""
-        index = self._index(jax.tree_util.tree_leaves(batch))
+    def drop(self, leaves: list) -> bool:
+        """Forgets the rows of a batch (its ``leaves``, as ``put`` gave them); whether they
+        were still there (no step took them)."""
+        index = self._index(leaves)
         if index is not None:
             del self._batches[index]
         return index is not None

@@ -17,7 +17,7 @@ import numpy as np
 
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._engine import MISSED
-from keras_dist._keras_steps._device_ahead import PLACED_AHEAD
+from keras_dist._keras_steps import _device_ahead
 
 
 class RepeatedSteps:
@@ -35,6 +35,8 @@ class RepeatedSteps:
         # Several processes place their rows of a batch as a global array (not here).
         self._enabled = isinstance(extended, MeshRuntime) and not extended.spans_processes
         self._calls: dict = {}  # layout key -> RepeatCall, or None where none applies
+        # Whether ``fit`` puts batches' rows on these devices a step ahead (accelerators).
+        self._rows_ahead = self._enabled and _device_ahead.puts_ahead(extended)
 
     def run(self, name: str, data, within=contextlib.nullcontext):
         """Step ``name``'s results on ``data``, or ``MISSED`` where its layout has no program.
@@ -47,7 +49,9 @@ class RepeatedSteps:
         call = self._calls.get(key) if key is not None else None
         if call is None:
             return MISSED
-        stacked = PLACED_AHEAD.take(leaves, self._extended.placement.split)
+        stacked = None
+        if self._rows_ahead:
+            stacked = _device_ahead.PLACED_AHEAD.take(leaves, self._extended.placement.split)
         if stacked is None:  # (rows put on the devices a step ahead: ``_device_ahead``)
             n = self._replicas
             stacked = [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]

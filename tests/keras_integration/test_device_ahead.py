@@ -11,7 +11,6 @@ import pytest
 from conftest import cpus
 
 import keras_dist as kd
-import keras_dist._keras_steps as keras_steps
 from keras_dist._keras_steps import _device_ahead
 from keras_dist._keras_steps._device_ahead import PlacedAhead
 from keras_dist._keras_steps._device_ahead import batches_ahead
@@ -46,9 +45,9 @@ class _Spy:
         original_put, original_take = store.put, store.take
 
         def put(batch, extended):
-            placed = original_put(batch, extended)
-            self.put += placed
-            return placed
+            leaves = original_put(batch, extended)
+            self.put += leaves is not None
+            return leaves
 
         def take(leaves, sharding):
             rows = original_take(leaves, sharding)
@@ -57,9 +56,8 @@ class _Spy:
 
         store.put, store.take = put, take
         monkeypatch.setattr(_device_ahead, "PLACED_AHEAD", store)
-        monkeypatch.setattr("keras_dist._keras_steps._repeated_steps.PLACED_AHEAD", store)
         # As on a GPU: this machine's CPU devices would not put anything ahead.
-        monkeypatch.setattr(keras_steps, "puts_ahead", lambda extended: True)
+        monkeypatch.setattr(_device_ahead, "puts_ahead", lambda extended: True)
 
 
 def _tpu_strategy(num_replicas, cores_per_replica):
@@ -144,10 +142,10 @@ def test_batches_ahead_yields_every_batch_in_order_and_drops_what_was_not_taken(
 def test_only_even_numpy_batches_are_put_and_at_most_two_are_held():
     extended = kd.MirroredStrategy(cpus(4)).extended
     store = PlacedAhead()
-    assert not store.put((np.ones((6, 2)),), extended)  # 6 rows do not split over 4
-    assert not store.put(([1.0, 2.0, 3.0, 4.0],), extended)  # not NumPy rows
+    assert store.put((np.ones((6, 2)),), extended) is None  # 6 rows do not split over 4
+    assert store.put(([1.0, 2.0, 3.0, 4.0],), extended) is None  # not NumPy rows
     held = [(np.full((8, 2), i, "float32"),) for i in range(3)]
-    assert all(store.put(batch, extended) for batch in held)
+    assert all(store.put(batch, extended) is not None for batch in held)
     assert store.take(list(held[0]), extended.placement.split) is None  # the oldest went
     rows = store.take(list(held[2]), extended.placement.split)
     assert rows[0].shape == (4, 2, 2) and rows[0].sharding == extended.placement.split
