@@ -213,6 +213,76 @@ def test_fit_counts_every_step_once_through_worker_kills_and_restarts(cluster):
         cluster.start_task("worker", 0)  # leave the shared cluster whole
 
 
+def test_steps_per_execution_counts_every_step_once_through_worker_kills(cluster):
+    # A scheduled function of 4 steps sends its updates once: a worker lost in
+    # the middle of one has sent none of them, and the function runs again
+    # elsewhere; one that sent them is never applied a second time.
+    with _logs_on_failure(cluster):
+        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
+        with strategy.scope():
+            model = _model()
+            model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=4)
+        x, y = _data()
+        events = {3: "kill", 6: "start", 9: "kill"}  # executions of 4 steps; then gone
+        history = model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=3,
+            verbose=0,
+            callbacks=[_WorkerLifecycle(cluster, events)],
+        )
+        assert int(model.optimizer.iterations.numpy()) == 3 * 16
+        assert history.history["loss"][-1] < 0.6 * history.history["loss"][0]
+        cluster.start_task("worker", 0)  # leave the shared cluster whole
+
+
+class _KillWorker0DuringInference(keras.callbacks.Callback):
+    """Worker 0 is SIGKILLed after the first execution of ``evaluate`` and of ``predict``."""
+
+    def __init__(self, cluster):
+        super().__init__()
+        self._cluster = cluster
+        self.kills = 0
+
+    def _kill(self, batch):
+        if batch == 2:  # the first execution of 3 batches ended (Keras's last batch index)
+            self._cluster.kill_task("worker", 0)
+            self.kills += 1
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._kill(batch)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._kill(batch)
+
+
+def test_evaluate_and_predict_of_several_steps_a_function_survive_a_killed_worker(cluster):
+    # Functions of 3 batches; the ones a lost worker held run again elsewhere, and
+    # every batch is counted once, in order: the numbers of plain Keras.
+    with _logs_on_failure(cluster):
+        x, y = _data()
+        keras.utils.set_random_seed(5)
+        plain = _model()
+        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
+        keras.utils.set_random_seed(5)
+        with strategy.scope():
+            model = _model()
+            model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=3)
+        killer = _KillWorker0DuringInference(cluster)
+        loss = model.evaluate(x, y, batch_size=16, verbose=0, callbacks=[killer])
+        np.testing.assert_allclose(loss, plain.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
+        assert killer.kills == 1
+        cluster.start_task("worker", 0)
+        predictions = model.predict(x, batch_size=16, verbose=0, callbacks=[killer])
+        assert predictions.shape == (256, 1)
+        np.testing.assert_allclose(
+            predictions, plain.predict(x, batch_size=16, verbose=0), rtol=1e-5, atol=1e-6
+        )
+        assert killer.kills == 2
+        cluster.start_task("worker", 0)  # leave the shared cluster whole
+
+
 def _worker_index():
     return kd.coordinator.experimental_get_current_worker_index()
 
