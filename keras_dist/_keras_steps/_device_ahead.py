@@ -10,9 +10,9 @@ and split as the step's program takes them, and ``RepeatedSteps`` hands those
 to the program in place of the NumPy rows (then 0.95 ms against 1.13 ms).
 
 Only on accelerators: on CPU devices the copy is a memcpy that nothing
-overlaps. A batch put ahead that no step takes (``steps_per_execution``
-batches, a partial batch, ``predict``) is dropped; after two in a row the
-loop stops putting batches ahead.
+overlaps. ``evaluate``'s and ``predict``'s steps take them too. A batch put
+ahead that no step takes (``steps_per_execution`` batches, a partial batch)
+is dropped; after two in a row the loop stops putting batches ahead.
 """
 
 import collections

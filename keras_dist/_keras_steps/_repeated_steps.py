@@ -1,6 +1,7 @@
-"""``fit``'s steps on batches of a layout they ran before, without ``strategy.run``'s work.
+"""``fit``'s, ``evaluate``'s and ``predict``'s steps on batches of a layout they ran
+before, without ``strategy.run``'s work.
 
-Keras's loop calls one train step on batch after batch of one layout. Through
+Keras's loop calls one step on batch after batch of one layout. Through
 ``strategy.run`` each step splits its batch, flattens and sorts the inputs and
 builds the program's cache key: about 50 µs of host time, a few percent of a
 small model's step. After a layout's first batch ran that way, its program is

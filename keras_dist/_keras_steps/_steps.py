@@ -315,7 +315,15 @@ class DistributedSteps:
         padded = jax.tree_util.tree_map(
             lambda x: _pad_rows(np.asarray(x), self._predict_rows), data
         )
-        outputs = self._run(self._replica_predict_step, self._split(padded))
+        # Every padded batch has the first one's layout: after it, its program is
+        # called directly (``RepeatedSteps``), as ``fit``'s and ``evaluate``'s are.
+        outputs = self._run_repeated("predict", padded, None)
+        if outputs is MISSED:
+            split = self._split(padded)
+            outputs = self._run(self._replica_predict_step, split)
+            self._learn_repeated(
+                "predict", padded, _had_uneven(split), self._replica_predict_step, split
+            )
         return jax.tree_util.tree_map(
             lambda v: _concatenate_replicas(extended, v)[:rows],
             outputs,

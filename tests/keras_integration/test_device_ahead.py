@@ -106,6 +106,21 @@ def test_steps_take_the_rows_put_ahead_and_give_one_devices_numbers(strategy_nam
     assert spy.put >= spy.taken
 
 
+def test_predict_takes_the_rows_put_ahead_and_gives_one_devices_outputs(monkeypatch):
+    x, _ = _data()  # 9 batches of 32 and a partial one of 12 (padded: new arrays)
+    expected = _model().predict(x, batch_size=32, verbose=0)
+
+    spy = _Spy(monkeypatch)
+    with kd.MirroredStrategy(cpus(4)).scope():
+        model = _model()
+    predictions = model.predict(x, batch_size=32, verbose=0)
+
+    np.testing.assert_allclose(predictions, expected, rtol=1e-5, atol=1e-6)
+    # The first batch runs through ``strategy.run``; the 8 full ones after it take
+    # their rows from the devices; the padded last one is copied by its step.
+    assert spy.taken == 8
+
+
 def test_batches_no_step_takes_stop_being_put_ahead(monkeypatch):
     x, y = _data(320)
     expected_model = _model(steps_per_execution=2)

@@ -93,6 +93,47 @@ def test_later_batches_of_a_layout_skip_strategy_run_and_give_one_devices_number
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_predict_runs_the_kept_program_for_every_batch_after_the_first(replicas, monkeypatch):
+    x, _ = _data()
+    expected = _model().predict(x, batch_size=32, verbose=0)
+
+    strategy, count, model = _counted_model(replicas, monkeypatch)
+    predictions = model.predict(x, batch_size=32, verbose=0)
+    again = model.predict(x[:100], batch_size=32, verbose=0)
+
+    # 9 batches of 32 and one of 12, padded to 32 (one layout): the first goes
+    # through `strategy.run`, every later one, the next predict's too, runs its program.
+    assert count.runs == 1
+    assert count.hits == 9 + 4
+    assert predictions.shape == (300, 1) and again.shape == (100, 1)
+    np.testing.assert_allclose(predictions, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(again, expected[:100], rtol=1e-5, atol=1e-6)
+
+
+def test_predict_of_a_two_output_model_through_the_kept_program(monkeypatch):
+    x, _ = _data(rows=100)
+
+    def two_outputs():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="relu")(inputs)
+        outputs = {"a": keras.layers.Dense(1)(hidden), "b": keras.layers.Dense(3)(hidden)}
+        return keras.Model(inputs, outputs)
+
+    expected = two_outputs().predict(x, batch_size=16, verbose=0)
+    strategy = kd.MirroredStrategy(cpus(4))
+    count = _Count(strategy, monkeypatch)
+    with strategy.scope():
+        model = two_outputs()
+    predictions = model.predict(x, batch_size=16, verbose=0)
+
+    assert count.runs == 1 and count.hits == 6  # 6 batches of 16 and one of 4, padded
+    assert set(predictions) == {"a", "b"}
+    for name in ("a", "b"):
+        np.testing.assert_allclose(predictions[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
 def test_a_partial_batch_that_splits_unevenly_never_uses_a_kept_program(monkeypatch):
     x, y = _data(rows=298)  # the last batch has 10 rows: 3, 3, 2, 2 on 4 replicas
     expected_model = _model()
