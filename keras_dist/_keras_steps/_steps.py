@@ -325,7 +325,7 @@ class DistributedSteps:
                 "predict", padded, _had_uneven(split), self._replica_predict_step, split
             )
         return jax.tree_util.tree_map(
-            lambda v: _concatenate_replicas(extended, v)[:rows],
+            lambda v: _predicted_rows(extended, v, rows),
             outputs,
             is_leaf=lambda x: isinstance(x, PerReplica),
         )
@@ -397,6 +397,18 @@ def _pad_rows(x, rows):
         return x
     padding = np.repeat(x[-1:], rows - x.shape[0], axis=0)
     return np.concatenate([x, padding])
+
+
+def _predicted_rows(extended, value, rows):
+    """A predict step's output for the batch's ``rows`` (its padding cut off).
+
+    One replica's output stays on its device, as plain Keras's does: Keras joins
+    the batches' outputs at the end, so the next batch is dispatched without
+    waiting for this one. Several replicas' are joined on the host now.
+    """
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+        return value if value.shape[0] == rows else value[:rows]
+    return _concatenate_replicas(extended, value)[:rows]
 
 
 def _concatenate_replicas(extended, value):

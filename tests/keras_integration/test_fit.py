@@ -510,6 +510,44 @@ def test_predict_returns_one_row_per_input(rows, batch_size):
     np.testing.assert_allclose(mirrored.predict_on_batch(x), expected, rtol=1e-6)
 
 
+class _PredictedRows(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+        self.kinds = set()
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self.rows.append(np.asarray(logs["outputs"]).shape[0])
+        self.kinds.add(isinstance(logs["outputs"], jax.Array))
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+@pytest.mark.parametrize("make_strategy", [_one_device, lambda: kd.MirroredStrategy(cpus(1))])
+def test_one_replicas_predict_equals_plain_keras_batch_by_batch(make_strategy, steps_per_execution):
+    # One replica's outputs stay on its device until Keras joins them (as plain
+    # Keras's do); each batch's, the padded last one's too, has that batch's rows,
+    # and callbacks get them as they get plain Keras's.
+    x = np.arange(13 * 4, dtype="float32").reshape(13, 4) / 10
+    weights = _initial_weights()
+
+    def classifier():
+        model = _classifier(weights)
+        model.compile("sgd", "binary_crossentropy", steps_per_execution=steps_per_execution)
+        return model
+
+    plain = classifier()
+    model = _in_scope(make_strategy(), classifier)
+    expected_rows, rows = _PredictedRows(), _PredictedRows()
+    expected = plain.predict(x, batch_size=4, verbose=0, callbacks=[expected_rows])
+    predictions = model.predict(x, batch_size=4, verbose=0, callbacks=[rows])
+    assert isinstance(predictions, np.ndarray) and predictions.shape == (13, 1)
+    np.testing.assert_allclose(predictions, expected, rtol=1e-6)
+    assert rows.kinds == expected_rows.kinds  # callbacks see what plain Keras's see
+    assert (
+        rows.rows == expected_rows.rows == ([4, 4, 4, 1] if steps_per_execution == 1 else [12, 1])
+    )
+
+
 # --------------------------------------------------------------------------
 # A model built outside any scope.
 
