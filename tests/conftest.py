@@ -39,6 +39,16 @@ def cpus(n):
     return [f"/cpu:{i}" for i in range(n)]
 
 
+def tpu_strategy(num_replicas, cores_per_replica):
+    """A ``TPUStrategy`` on the simulated TPU system: replicas of ``cores_per_replica`` cores."""
+    resolver = kd.cluster_resolver.TPUClusterResolver(tpu="simulated")
+    topology = kd.tpu.experimental.initialize_tpu_system(resolver)
+    assignment = kd.tpu.experimental.DeviceAssignment.build(
+        topology, computation_shape=[cores_per_replica, 1, 1, 1], num_replicas=num_replicas
+    )
+    return kd.TPUStrategy(resolver, experimental_device_assignment=assignment)
+
+
 # --- The Keras-suite pass (tests/keras_integration/test_keras_suite.py) -----------------------
 # Keras's own tests run in pytest processes of their own (tests/keras_suite/run.py), and most
 # of this suite's first part keeps one CPU busy: started when the session's tests are

@@ -36,6 +36,7 @@ from keras_dist._capabilities import MeshRuntime
 from keras_dist._engine import MISSED
 from keras_dist._engine import ReplicatedOutput
 from keras_dist._engine._gate import GATE
+from keras_dist._engine._gate import needs_serializing
 from keras_dist._input import GlobalBatchSplitter
 from keras_dist._input import batch_rows
 from keras_dist._input import densify
@@ -404,9 +405,15 @@ def _predicted_rows(extended, value, rows):
 
     One replica's output stays on its device, as plain Keras's does: Keras joins
     the batches' outputs at the end, so the next batch is dispatched without
-    waiting for this one. Several replicas' are joined on the host now.
+    waiting for this one. Several replicas' are joined on the host now, and so is
+    a replica's on several CPU devices: cutting its padding off there would be an
+    execution outside the gate (``_engine/_gate.py``).
     """
-    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+    if (
+        isinstance(value, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and not needs_serializing(list(value.sharding.device_set))
+    ):
         return value if value.shape[0] == rows else value[:rows]
     return _concatenate_replicas(extended, value)[:rows]
 

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import cpus
+from conftest import tpu_strategy
 
 import keras_dist as kd
 from keras_dist._keras_steps import _device_ahead
@@ -60,20 +61,11 @@ class _Spy:
         monkeypatch.setattr(_device_ahead, "puts_ahead", lambda extended: True)
 
 
-def _tpu_strategy(num_replicas, cores_per_replica):
-    resolver = kd.cluster_resolver.TPUClusterResolver(tpu="simulated")
-    topology = kd.tpu.experimental.initialize_tpu_system(resolver)
-    assignment = kd.tpu.experimental.DeviceAssignment.build(
-        topology, computation_shape=[cores_per_replica, 1, 1, 1], num_replicas=num_replicas
-    )
-    return kd.TPUStrategy(resolver, experimental_device_assignment=assignment)
-
-
 STRATEGIES = {
     "one replica": lambda: kd.MirroredStrategy(cpus(1)),
     "four replicas": lambda: kd.MirroredStrategy(cpus(4)),
     # Replicas of two cores each: the rows are split between replicas, whole on each core.
-    "tpu, 2 cores a replica": lambda: _tpu_strategy(2, 2),
+    "tpu, 2 cores a replica": lambda: tpu_strategy(2, 2),
     "central storage": lambda: kd.experimental.CentralStorageStrategy(cpus(2)),
 }
 

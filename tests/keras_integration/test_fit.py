@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import cpus
+from conftest import tpu_strategy
 
 import keras_dist as kd
 from keras_dist._values._variables import numpy_components
@@ -522,7 +523,11 @@ class _PredictedRows(keras.callbacks.Callback):
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
-@pytest.mark.parametrize("make_strategy", [_one_device, lambda: kd.MirroredStrategy(cpus(1))])
+@pytest.mark.parametrize(
+    "make_strategy",
+    [_one_device, lambda: kd.MirroredStrategy(cpus(1)), lambda: tpu_strategy(1, 2)],
+    ids=["one device", "mirrored, one device", "tpu, one replica of 2 cores"],
+)
 def test_one_replicas_predict_equals_plain_keras_batch_by_batch(make_strategy, steps_per_execution):
     # One replica's outputs stay on its device until Keras joins them (as plain
     # Keras's do); each batch's, the padded last one's too, has that batch's rows,
