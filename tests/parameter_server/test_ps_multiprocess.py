@@ -192,13 +192,26 @@ class _WorkerLifecycle(keras.callbacks.Callback):
             self._cluster.start_task("worker", 0)
 
 
-def test_fit_counts_every_step_once_through_worker_kills_and_restarts(cluster):
+# Worker 0 killed, restarted, killed again and left dead, at these executions
+# (Keras's batch ends): of one step each, and of 4 steps in one scheduled function.
+# Such a function sends its updates once: a worker lost in the middle of one has
+# sent none of them, and the function runs again elsewhere; one that sent them is
+# never applied a second time.
+@pytest.mark.parametrize(
+    "steps_per_execution, events",
+    [(1, {5: "kill", 12: "start", 20: "kill"}), (4, {3: "kill", 6: "start", 9: "kill"})],
+)
+def test_fit_counts_every_step_once_through_worker_kills_and_restarts(
+    cluster, steps_per_execution, events
+):
     with _logs_on_failure(cluster):
         strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
         with strategy.scope():
             model = _model()
+            model.compile(
+                keras.optimizers.Adam(0.01), "mse", steps_per_execution=steps_per_execution
+            )
         x, y = _data()
-        events = {5: "kill", 12: "start", 20: "kill"}  # then gone for good
         history = model.fit(
             x,
             y,
@@ -208,30 +221,6 @@ def test_fit_counts_every_step_once_through_worker_kills_and_restarts(cluster):
             callbacks=[_WorkerLifecycle(cluster, events)],
         )
         # Every step counted once: none lost with a worker, none applied twice.
-        assert int(model.optimizer.iterations.numpy()) == 3 * 16
-        assert history.history["loss"][-1] < 0.6 * history.history["loss"][0]
-        cluster.start_task("worker", 0)  # leave the shared cluster whole
-
-
-def test_steps_per_execution_counts_every_step_once_through_worker_kills(cluster):
-    # A scheduled function of 4 steps sends its updates once: a worker lost in
-    # the middle of one has sent none of them, and the function runs again
-    # elsewhere; one that sent them is never applied a second time.
-    with _logs_on_failure(cluster):
-        strategy = kd.ParameterServerStrategy(cluster.cluster_resolver)
-        with strategy.scope():
-            model = _model()
-            model.compile(keras.optimizers.Adam(0.01), "mse", steps_per_execution=4)
-        x, y = _data()
-        events = {3: "kill", 6: "start", 9: "kill"}  # executions of 4 steps; then gone
-        history = model.fit(
-            x,
-            y,
-            batch_size=16,
-            epochs=3,
-            verbose=0,
-            callbacks=[_WorkerLifecycle(cluster, events)],
-        )
         assert int(model.optimizer.iterations.numpy()) == 3 * 16
         assert history.history["loss"][-1] < 0.6 * history.history["loss"][0]
         cluster.start_task("worker", 0)  # leave the shared cluster whole
