@@ -71,6 +71,7 @@ class BackgroundRun:
         self._process = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
+        self._group_killed = False
 
     def result(self, timeout: float) -> tuple[int, str]:
         """``(exit status, output)``; killed, with what it printed, past ``timeout`` seconds."""
@@ -89,6 +90,11 @@ class BackgroundRun:
         self._log.close()
 
     def _kill_group(self) -> None:
+        # Once is enough (SIGKILL reaches the whole group), and later the runner,
+        # reaped, may have left its process id to another process.
+        if self._group_killed:
+            return
+        self._group_killed = True
         try:
             os.killpg(self._process.pid, signal.SIGKILL)
         except ProcessLookupError:  # the runner and all it started have exited
