@@ -100,9 +100,9 @@ def main():
     baseline = jit_forward(mirrored.extended.local_devices, x, weights)
     one_device, _ = keras_predict(kd.OneDeviceStrategy(jax.devices()[0]), x)
     plain, _ = keras_predict(None, x)
-    # The same numbers first: the comparison is of equal work.
-    np.testing.assert_allclose(ours(), baseline(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(one_device(), plain(), rtol=1e-4, atol=1e-5)
+    # The same numbers first: the comparison is of equal work (loose: TF32 on GPUs).
+    np.testing.assert_allclose(ours(), baseline(), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(one_device(), plain(), rtol=1e-3, atol=1e-3)
 
     times = {key: [] for key in ("ours", "jit", "one", "plain")}
     for _ in range(args.repeats):
