@@ -12,3 +12,5 @@ from keras_dist._input._prefetch import Prefetch as Prefetch
 from keras_dist._input._sparse import densify as densify
 from keras_dist._input._split import GlobalBatchSplitter as GlobalBatchSplitter
 from keras_dist._input._split import batch_rows as batch_rows
+from keras_dist._input._split import splits_evenly as splits_evenly
+from keras_dist._input._split import stacked_rows as stacked_rows

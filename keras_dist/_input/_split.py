@@ -90,7 +90,7 @@ class GlobalBatchSplitter:
         return jax.tree_util.tree_unflatten(treedef, split)
 
     def _stacked(self, x, n):
-        stacked = x.reshape((n, x.shape[0] // n) + x.shape[1:])
+        (stacked,) = stacked_rows([x], n)
         if self._extended.spans_processes:
             rows = self._mine(list(range(n)))
             return PerReplica(
@@ -99,6 +99,26 @@ class GlobalBatchSplitter:
         if not (self._on_host and isinstance(stacked, np.ndarray)):
             stacked = jax.device_put(stacked, self._extended.placement.split)
         return PerReplica(None, _stacked=stacked)
+
+
+def splits_evenly(leaves, n: int) -> bool:
+    """Whether ``leaves`` are a host batch's NumPy arrays whose rows ``n`` replicas share evenly.
+
+    >>> splits_evenly([np.zeros((4, 2)), np.zeros(4)], 2), splits_evenly([np.zeros((3, 2))], 2)
+    (True, False)
+    """
+    return bool(leaves) and all(
+        type(x) is np.ndarray and x.ndim and x.shape[0] % n == 0 for x in leaves
+    )
+
+
+def stacked_rows(leaves, n: int) -> list:
+    """Each of ``leaves`` (rows that split evenly) as ``(n, rows / n, ...)``: one row per replica.
+
+    >>> [x.shape for x in stacked_rows([np.zeros((4, 2))], 2)]
+    [(2, 2, 2)]
+    """
+    return [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]
 
 
 def split_sizes(rows: int, replicas: int, like_tf: bool = True) -> list:

@@ -20,9 +20,10 @@ import operator
 import threading
 
 import jax
-import numpy as np
 
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._input import splits_evenly
+from keras_dist._input import stacked_rows
 
 _MAX_MISSES = 2  # batches put ahead in a row that no step took: stop putting them ahead
 
@@ -58,6 +59,7 @@ class PlacedAhead(threading.local):
     abandoned loop holds no more than that on the devices.
 
     >>> import keras_dist as kd
+    >>> import numpy as np
     >>> extended = kd.MirroredStrategy(["/cpu:0"]).extended
     >>> store = PlacedAhead()
     >>> batch = (np.ones((4, 2), "float32"),)
@@ -78,11 +80,9 @@ class PlacedAhead(threading.local):
         copies those itself)."""
         leaves = jax.tree_util.tree_leaves(batch)
         n = extended.num_replicas_in_sync
-        if not leaves or not all(
-            type(x) is np.ndarray and x.ndim and x.shape[0] % n == 0 for x in leaves
-        ):
+        if not splits_evenly(leaves, n):
             return None
-        stacked = [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]
+        stacked = stacked_rows(leaves, n)
         self._batches.append((leaves, jax.device_put(stacked, extended.placement.split)))
         return leaves
 

@@ -14,10 +14,11 @@ several processes) goes through ``strategy.run`` as before.
 import contextlib
 
 import jax
-import numpy as np
 
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._engine import MISSED
+from keras_dist._input import splits_evenly
+from keras_dist._input import stacked_rows
 from keras_dist._keras_steps import _device_ahead
 
 
@@ -25,6 +26,7 @@ class RepeatedSteps:
     """Kept step programs by ``(step name, batch layout)``; one per model and strategy.
 
     >>> import keras_dist as kd
+    >>> import numpy as np
     >>> steps = RepeatedSteps(kd.OneDeviceStrategy("/cpu:0").extended)
     >>> steps.run("train", (np.zeros((4, 2)),)) is MISSED  # no layout has run yet
     True
@@ -54,8 +56,7 @@ class RepeatedSteps:
         if self._rows_ahead:
             stacked = _device_ahead.PLACED_AHEAD.take(leaves, self._extended.placement.split)
         if stacked is None:  # (rows put on the devices a step ahead: ``_device_ahead``)
-            n = self._replicas
-            stacked = [x.reshape((n, x.shape[0] // n) + x.shape[1:]) for x in leaves]
+            stacked = stacked_rows(leaves, self._replicas)
         with within():
             result = self._extended.run_again(call, stacked)
         if result is MISSED:
@@ -78,10 +79,7 @@ class RepeatedSteps:
         """``data``'s leaves and its layout key; ``None`` unless every leaf is a NumPy array
         of rows that split evenly between the replicas."""
         leaves, treedef = jax.tree_util.tree_flatten(data)
-        n = self._replicas
-        if not leaves or not all(
-            type(x) is np.ndarray and x.ndim and x.shape[0] % n == 0 for x in leaves
-        ):
+        if not splits_evenly(leaves, self._replicas):
             return leaves, None
         return leaves, (name, treedef, tuple((x.shape, x.dtype) for x in leaves))
 
