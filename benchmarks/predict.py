@@ -10,6 +10,7 @@ In one invocation, on the same devices and the same data:
 
     python benchmarks/predict.py [--devices 4] [--batch 256] [--batches 100]
     python benchmarks/predict.py --features 8 --hidden 8 --batch 16   # host-bound
+    python benchmarks/predict.py --trained   # after a fit step: the optimizer's slots exist
 
 Prints one line with both ratios (medians of the rounds' ratios; the four runs
 of a round alternate).
@@ -29,6 +30,9 @@ parser.add_argument("--batches", type=int, default=100, help="batches per predic
 parser.add_argument("--features", type=int, default=128)
 parser.add_argument("--hidden", type=int, default=512)
 parser.add_argument("--repeats", type=int, default=7)
+parser.add_argument(
+    "--trained", action="store_true", help="fit one batch first, as predict usually follows fit"
+)
 args = parser.parse_args()
 simulate_cpu_devices(args.devices)
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -51,6 +55,9 @@ def keras_predict(strategy, x):
     else:
         with strategy.scope():
             model = keras_mlp(args.features, args.hidden, CLASSES, 0.01, 0.9)
+    if args.trained:
+        labels = np.zeros(args.batch, "int32")
+        model.fit(x[: args.batch], labels, batch_size=args.batch, epochs=1, verbose=0)
 
     def run():
         return model.predict(x, batch_size=args.batch, verbose=0)
@@ -117,7 +124,8 @@ def main():
         f"{rate['one']:.0f} batches/s vs plain Keras predict {rate['plain']:.0f} batches/s, "
         f"ratio {ratio_b:.2f} [{mirrored.num_replicas_in_sync} x {jax.devices()[0].platform}, "
         f"MLP {args.features}-{args.hidden}-{args.hidden}-{CLASSES}, global batch {args.batch}, "
-        f"{args.batches} batches, median of {args.repeats}]"
+        f"{args.batches} batches, {'after a fit step, ' if args.trained else ''}"
+        f"median of {args.repeats}]"
     )
 
 

@@ -8,7 +8,8 @@
   enter replicated; anything else is a constant of the trace (and part of the
   cache key).
 * Every variable the strategy created is threaded through as explicit state
-  (Keras's ``StatelessScope``), donated, and written back after the call.
+  (Keras's ``StatelessScope``). Those the function writes are donated and
+  written back after the call; the others go in only (``_state_layout.py``).
   Variables created during the first trace (an optimizer building its slots),
   or read although created outside the scope, make the engine trace once more
   with them included, as ``tf.function`` does when a first call creates
@@ -42,6 +43,7 @@ from keras_dist._engine._lru_programs import ProgramCache
 from keras_dist._engine._repeat_call import RepeatCall
 from keras_dist._engine._repeat_call import StaleEntry
 from keras_dist._engine._retracing import RetraceMonitor
+from keras_dist._engine._state_layout import StateLayout
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import initialize_pending_variables
@@ -78,6 +80,7 @@ class TraceRecord:
         self.assigned: dict = {}
         self.unmapped: dict = {}
         self.out = None
+        self.layout = None  # a ``StateLayout``: which variables came back as they went in
         self.join_large_outputs = join_large_outputs  # see ``_joins``
 
 
@@ -93,7 +96,10 @@ class _Entry:
         self.extended = extended
         self.lowered = lowered  # kept for inspection: tests count collectives in it
         self.compiled = lowered.compile()
-        # Every threaded variable, mirrored ones first, then SyncOnRead, then foreign.
+        # Every threaded variable, mirrored ones first, then SyncOnRead, then foreign;
+        # within each, the written ones first (``StateLayout``).
+        self.layout = layout = record.layout
+        mirrored, sync_on_read = layout.ordered_mirrored(mirrored), layout.ordered_sync(sync_on_read)
         self._refs = [weakref.ref(v) for v in (*mirrored, *sync_on_read, *foreign)]
         self._bounds = (len(mirrored), len(mirrored) + len(sync_on_read))
         self.out_treedef, self.out_layout, self.has_sum, self.joined, self.stacked_out = record.out
@@ -114,19 +120,27 @@ class _Entry:
         extended = self.extended
         mirrored_variables, sync_on_read_variables, foreign_variables = self._variables()
         mirrored = [v.stored() for v in mirrored_variables]
+        written = self.layout.written_mirrored
         if not self._stored.unchanged(mirrored):
             mirrored = [extended.compute_value(v) for v in mirrored_variables]
             copy_shared_storage(mirrored_variables, mirrored)
+            # Variables that only go in keep the arrays placed for the program,
+            # so that the next call finds them as it left them.
+            for variable, value in zip(mirrored_variables[written:], mirrored[written:]):
+                if variable.stored() is not value:
+                    extended.store_computed(variable, value)
         sync_on_read = [v.stored() for v in sync_on_read_variables]
         copy_shared_buffers(mirrored, sync_on_read, dynamic)  # an argument may alias state
         foreign = [extended.placement.replicate(v.value) for v in foreign_variables]
+        arguments = self.layout.arguments(mirrored, sync_on_read, foreign, dynamic)
         new_mirrored, new_sync_on_read, outputs, sums, replicated = extended.placement.execute(
-            self.compiled, mirrored, sync_on_read, foreign, dynamic, may_run_on=True
+            self.compiled, *arguments, may_run_on=True
         )
+        # Only the written variables come back; they are first (``zip`` stops there).
         store = extended.store_computed
         for variable, value in zip(mirrored_variables, new_mirrored):
             store(variable, value)
-        self._stored.remember(new_mirrored)
+        self._stored.remember(new_mirrored + mirrored[written:])
         for variable, value in zip(sync_on_read_variables, new_sync_on_read):
             variable.store(value)
         return self._outputs(outputs, sums, replicated)
@@ -262,12 +276,12 @@ class CompiledEngine:
             )
             mapped, stacked_out = self.shard_mapped(body, kinds)
             jitted = jax.jit(mapped, donate_argnums=(0, 1))
-            traced = jitted.trace(
+            threaded = (
                 [extended.compute_value(v) for v in mirrored],
                 [v.stored() for v in sync_on_read],
                 [extended.placement.replicate(v.value) for v in foreign],
-                dynamic,
             )
+            traced = jitted.trace(*threaded, dynamic)
             record.out = record.out + (stacked_out,)
             if not self._absorb_discoveries(strategy, record):
                 break
@@ -278,7 +292,8 @@ class CompiledEngine:
                 f"before the first `strategy.run`. Received: fn={fn!r}"
             )
         self.check_assignments(record, mirrored, sync_on_read)
-        return _Entry(extended, traced.lower(), mirrored, sync_on_read, foreign, record)
+        lowered = record.layout.lower(traced, *threaded, dynamic)
+        return _Entry(extended, lowered, mirrored, sync_on_read, foreign, record)
 
     def _joins_large_outputs(self) -> bool:
         # On CPU a component cut out of a stacked output is a copy (or a ~0.5 ms
@@ -309,8 +324,9 @@ class CompiledEngine:
 
         def body(mirrored_values, sync_on_read_values, foreign_values, dynamic_values):
             self.trace_count += 1
+            sync_on_read_components = [x[0] for x in sync_on_read_values]
             mapping = {id(v): x for v, x in zip(mirrored, mirrored_values)}
-            mapping.update({id(v): x[0] for v, x in zip(sync_on_read, sync_on_read_values)})
+            mapping.update({id(v): x for v, x in zip(sync_on_read, sync_on_read_components)})
             mapping.update({id(v): x for v, x in zip(foreign, foreign_values)})
             dynamic_iter = iter(dynamic_values)
             local_leaves = []
@@ -330,6 +346,11 @@ class CompiledEngine:
                 outputs = jax.tree_util.tree_map(output_value, outputs, is_leaf=is_input_leaf)
             record.assigned = dict(scope.assigned)
             record.unmapped = dict(scope.unmapped)
+            state = scope.state_mapping  # a variable left as it was holds its input itself
+            record.layout = StateLayout(
+                [state[id(v)] is x for v, x in zip(mirrored, mirrored_values)],
+                [state[id(v)] is x for v, x in zip(sync_on_read, sync_on_read_components)],
+            )
             new_mirrored = [scope.state_mapping[id(v)] for v in mirrored]
             new_sync_on_read = [jnp.asarray(scope.state_mapping[id(v)])[None] for v in sync_on_read]
             out_leaves, out_treedef = jax.tree_util.tree_flatten(
