@@ -99,7 +99,8 @@ class _Entry:
         # Every threaded variable, mirrored ones first, then SyncOnRead, then foreign;
         # within each, the written ones first (``StateLayout``).
         self.layout = layout = record.layout
-        mirrored, sync_on_read = layout.ordered_mirrored(mirrored), layout.ordered_sync(sync_on_read)
+        mirrored = layout.ordered_mirrored(mirrored)
+        sync_on_read = layout.ordered_sync(sync_on_read)
         self._refs = [weakref.ref(v) for v in (*mirrored, *sync_on_read, *foreign)]
         self._bounds = (len(mirrored), len(mirrored) + len(sync_on_read))
         self.out_treedef, self.out_layout, self.has_sum, self.joined, self.stacked_out = record.out
