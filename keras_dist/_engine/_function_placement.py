@@ -43,7 +43,8 @@ class ProgramPlacement:
         return [self._placed(x, sharding) for x, sharding in zip(arrays, self._shardings)]
 
     def _placed(self, x, sharding):
-        if not isinstance(x, jax.Array) or not x.committed:
+        # ``None``: an argument the program never reads (``jax.jit`` drops it).
+        if sharding is None or not isinstance(x, jax.Array) or not x.committed:
             return x
         key = (sharding, x.sharding, x.ndim)
         matches = self._matches.get(key)

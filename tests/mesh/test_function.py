@@ -1,5 +1,6 @@
 """``kd.function``: a ported ``@tf.function`` step compiles whole, once per signature."""
 
+import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -328,3 +329,32 @@ def test_results_of_full_and_partial_batches_add_up_as_in_tfs_tutorial():
         return carried + summed(batch)
 
     assert [float(adds_to(r, full)) for r in results] == [240.0, 190.0, 240.0, 190.0]
+
+
+@pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: kd.MirroredStrategy(cpus(4)), lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: None],
+    ids=["mirrored", "one_device", "default"],
+)
+def test_an_argument_the_function_never_reads_is_accepted(make_strategy):
+    # TF's input guide: a step over (features, labels) batches that uses only the features.
+    strategy = make_strategy() or kd.get_strategy()
+    x = np.arange(32, dtype="float32").reshape(16, 2)
+    dataset = strategy.experimental_distribute_dataset(
+        strategy.experimental_make_numpy_dataset((x, x[:, :1])).batch(8)
+    )
+
+    @kd.function
+    def step(batch):
+        per_replica = strategy.run(lambda inputs: 2 * inputs[0], args=(batch,))
+        return strategy.reduce("SUM", per_replica, axis=0)
+
+    sums = [np.asarray(step(batch)) for batch in dataset]
+    np.testing.assert_array_equal(sums, [2 * x[:8].sum(0), 2 * x[8:].sum(0)])
+
+    @kd.function
+    def first(a, unused):
+        return a * 2
+
+    one = np.ones(3, "float32")
+    np.testing.assert_array_equal(np.asarray(first(jax.device_put(one), jax.device_put(one))), 2 * one)
