@@ -19,13 +19,16 @@ from keras_dist._keras._model import keras_update_metrics as keras_update_metric
 from keras_dist._keras._model import model_layers as model_layers
 from keras_dist._keras._model import optimizer_trainable_variables as optimizer_trainable_variables
 from keras_dist._keras._model import overrides_keras_step as overrides_keras_step
+from keras_dist._keras._model import overrides_step as overrides_step
 from keras_dist._keras._model import set_initial_epoch as set_initial_epoch
 from keras_dist._keras._model import step_state as step_state
 from keras_dist._keras._model import unpack_x_y_sample_weight as unpack_x_y_sample_weight
 from keras_dist._keras._optimizer import apply_update as apply_update
 from keras_dist._keras._optimizer import clip_gradients as clip_gradients
+from keras_dist._keras._optimizer import gradient_share as gradient_share
 from keras_dist._keras._optimizer import install_optimizer_hook
 from keras_dist._keras._optimizer import routing_gradients as routing_gradients
+from keras_dist._keras._optimizer import shared_gradients as shared_gradients
 from keras_dist._keras._optimizer import slot_reference as slot_reference
 from keras_dist._keras._saving import install_saving_hook
 from keras_dist._keras._scopes import RecordingScope as RecordingScope

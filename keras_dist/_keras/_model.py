@@ -32,8 +32,13 @@ def keras_update_metrics(model, metrics, unscaled_loss, x, y, y_pred, sample_wei
 
 def overrides_keras_step(model) -> bool:
     """Whether the model's class replaces Keras's JAX ``train_step`` or ``test_step``."""
-    cls = type(model)
-    return cls.train_step is not JAXTrainer.train_step or cls.test_step is not JAXTrainer.test_step
+    return overrides_step(model, "train") or overrides_step(model, "test")
+
+
+def overrides_step(model, kind: str) -> bool:
+    """Whether the model's class replaces Keras's JAX ``{kind}_step`` (``"train"``, ``"test"``)."""
+    name = f"{kind}_step"
+    return getattr(type(model), name) is not getattr(JAXTrainer, name)
 
 
 def model_layers(model) -> list:

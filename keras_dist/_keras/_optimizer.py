@@ -5,6 +5,11 @@ replica-side implementation given to ``install_optimizer_hook`` (``merge_call``
 -> ``batch_reduce_to(SUM)`` -> the optimizer's own ``apply`` once). Keras's
 ``LossScaleOptimizer`` is made to decide on the summed gradients, as TF's does.
 
+Inside ``fit``'s replica step of a custom ``train_step`` (which may never call
+``scale_loss``), the gradients an optimizer is handed are first multiplied by
+the replica's share of the global batch (``gradient_share``), so that their sum
+is the global batch's gradient.
+
 Parameter servers apply updates where the variables live: ``routing_gradients``
 lets a trace take an optimizer's clipped gradients instead of updating here,
 and ``apply_update`` is the update itself, run later on the ps task. Slots are
@@ -37,6 +42,39 @@ class _Routing(threading.local):
 
 
 _routing = _Routing()
+
+
+class _GradientShare(threading.local):
+    def __init__(self):
+        self.value = None  # this replica's share of the global batch, inside fit's step
+
+
+_share = _GradientShare()
+
+
+def gradient_share(share: float):
+    """Multiplies the gradients optimizers get in this thread's replica by ``share``.
+
+    ``fit``'s replica step of a custom ``train_step`` sets it to the replica's
+    rows over the global batch's (as TF's losses divide by the global batch):
+    the sum over replicas is then the gradient of the global batch's mean loss.
+
+    >>> import numpy as np
+    >>> with gradient_share(0.25):
+    ...     shared_gradients([np.float32(8.0), None])
+    [np.float32(2.0), None]
+    >>> shared_gradients([np.float32(8.0)])
+    [np.float32(8.0)]
+    """
+    return set_for_block(_share, "value", share)
+
+
+def shared_gradients(grads) -> list:
+    """``grads`` times this replica's ``gradient_share`` (as they are when none is set)."""
+    share = _share.value
+    if share is None or share == 1:
+        return list(grads)
+    return [None if g is None else g * share for g in grads]
 
 
 def install_optimizer_hook(apply_in_replica_context) -> None:
@@ -199,6 +237,8 @@ def _merged_stateless_apply(original):
         replica_context = running_replica_context()
         if replica_context is None:
             return original(self, optimizer_variables, grads, trainable_variables)
+
+        grads = shared_gradients(grads)
 
         def merge_fn(strategy, optimizer_variables, grads, trainable_variables):
             extended = strategy.extended

@@ -12,12 +12,13 @@ from keras_dist._engine._eager import on_device
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import current_scope
 from keras_dist._keras import optimizer_trainable_variables
+from keras_dist._keras import shared_gradients
 from keras_dist._reduce_op import ReduceOp
 
 
 def apply_in_replica_context(replica_context, original_apply, optimizer, grads, variables):
     """Called by the hook in ``_keras._optimizer`` for ``optimizer.apply`` in a replica."""
-    grads = list(grads)
+    grads = shared_gradients(grads)  # (``fit``'s step: the replica's share of the batch)
     if variables is None:
         variables = optimizer_trainable_variables(optimizer)
     variables = list(variables)

@@ -8,7 +8,9 @@ every replica through ``strategy.run``:
 * The replica's loss is scaled by ``local_rows / global_rows`` for the
   gradient (``1 / num_replicas`` for even batches, as TF), so the optimizer's
   SUM of gradients is the gradient of the global-batch loss; regularization
-  losses are counted once. Reported losses and metrics are unscaled.
+  losses are counted once. Reported losses and metrics are unscaled. A custom
+  ``train_step`` may never scale its loss: its gradients are scaled as the
+  optimizer receives them, and its logs averaged over the replicas.
 * The optimizer's ``apply`` in a replica is the tf.distribute pattern
   (``merge_call`` -> ``batch_reduce_to(SUM)`` -> apply once), so clipping and
   loss scaling see the summed gradients.
@@ -42,6 +44,8 @@ from keras_dist._input import batch_rows
 from keras_dist._input import densify
 from keras_dist._keras import compiled_under
 from keras_dist._keras import execution_batches
+from keras_dist._keras import gradient_share
+from keras_dist._keras import overrides_step
 from keras_dist._keras import replaced_methods
 from keras_dist._keras import step_state
 from keras_dist._keras_steps._per_shape_steps import PerShapeSteps
@@ -98,6 +102,36 @@ def _replicated_logs(logs):
     if replica_context is None or replica_context.eager_index is not None:
         return logs
     return jax.tree_util.tree_map(ReplicatedOutput, logs)
+
+
+def _custom_logs_averaged(model, kind, logs):
+    """A custom ``{kind}_step``'s logs, averaged over the replicas in a compiled step.
+
+    Keras's own steps read their logs from the aggregated metrics: the same on
+    every replica. A custom step may return its replica's own values (the
+    ``stateless_result`` of its metric values, as Keras's JAX guide writes it);
+    Keras's TensorFlow backend takes their mean over the replicas, and so does
+    this. Float leaves only: anything else is the first replica's.
+    """
+    replica_context = _context.current_frame().replica_context
+    if (
+        not overrides_step(model, kind)
+        or replica_context is None
+        or replica_context.eager_index is not None
+        or replica_context.num_replicas_in_sync == 1
+    ):
+        return logs
+    leaves, treedef = jax.tree_util.tree_flatten(logs)
+    floating = [i for i, x in enumerate(leaves) if _is_float_array(x)]
+    if floating:
+        means = replica_context.all_reduce("MEAN", [leaves[i] for i in floating])
+        for i, mean in zip(floating, means):
+            leaves[i] = mean
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _is_float_array(x) -> bool:
+    return isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
 
 
 def _first_component(value):
@@ -263,14 +297,13 @@ class DistributedSteps:
     def _replica_train_step(self, data, global_rows):
         model = self.model
         state = step_state(model, "train")
-        scale = batch_rows(data) / global_rows
-        with _scaled_loss(model.optimizer, scale):
+        with _counted_by_share(model, batch_rows(data) / global_rows):
             logs, new_state = model.train_step(state, data)
         _assign(model.trainable_variables, new_state[0])
         _assign(model.non_trainable_variables, new_state[1])
         _assign(model.optimizer.variables, new_state[2])
         _assign(model.metrics_variables, new_state[3])
-        return _replicated_logs(logs)
+        return _replicated_logs(_custom_logs_averaged(model, "train", logs))
 
     # ------------------------------------------------------------------- test
     def _test_batch(self, data, split=None):
@@ -293,7 +326,7 @@ class DistributedSteps:
         logs, new_state = model.test_step(state, data)
         _assign(model.non_trainable_variables, new_state[1])
         _assign(model.metrics_variables, new_state[2])
-        return _replicated_logs(logs)
+        return _replicated_logs(_custom_logs_averaged(model, "test", logs))
 
     def _logs(self, per_replica_logs, uneven: bool):
         """Logs of a compiled step are aggregated in it; eager ones (also those of an
@@ -442,12 +475,17 @@ def _assign(variables, values):
             variable.assign(value)
 
 
-def _scaled_loss(optimizer, scale):
-    """Scales the loss Keras differentiates (not the one it reports) inside a replica.
+def _counted_by_share(model, share):
+    """Within, the replica's gradients count by ``share`` (its rows of the global batch).
 
-    Keras's JAX ``train_step`` takes the gradient of
-    ``optimizer.scale_loss(loss)`` and reports the unscaled loss: the right
-    place to add the replica's share of the global batch.
+    Keras's own JAX ``train_step`` differentiates ``optimizer.scale_loss(loss)``
+    and reports the unscaled loss: the loss is scaled there, before the
+    gradient, as TF's losses divide by the global batch (with float16, smaller
+    gradients overflow less). A custom ``train_step`` may never call
+    ``scale_loss``: its gradients are scaled as the optimizer receives them.
     """
+    optimizer = model.optimizer
+    if overrides_step(model, "train"):
+        return gradient_share(share)
     original = type(optimizer).scale_loss.__get__(optimizer)
-    return replaced_methods(optimizer, {"scale_loss": lambda loss: original(loss) * scale})
+    return replaced_methods(optimizer, {"scale_loss": lambda loss: original(loss) * share})
