@@ -30,6 +30,7 @@ from keras.src.layers.normalization import batch_normalization
 from keras.src.losses import loss as loss_module
 from keras.src.optimizers import base_optimizer
 from keras.src.optimizers import loss_scale_optimizer
+from keras.src.random import seed_generator
 from keras.src.saving import saving_lib
 from keras.src.trainers import data_adapters
 from keras.src.trainers import trainer as base_trainer
@@ -48,6 +49,7 @@ BaseOptimizer = base_optimizer.BaseOptimizer
 JaxOptimizer = jax_optimizer.JaxOptimizer
 LossScaleOptimizer = loss_scale_optimizer.LossScaleOptimizer
 BatchNormalization = batch_normalization.BatchNormalization
+SeedGenerator = seed_generator.SeedGenerator
 ModelCheckpoint = keras.callbacks.ModelCheckpoint
 CallbackList = keras.callbacks.CallbackList
 History = keras.callbacks.History
@@ -62,6 +64,7 @@ get_data_adapter = data_adapters.get_data_adapter
 __all__ = [
     "BaseOptimizer",
     "BatchNormalization",
+    "SeedGenerator",
     "CallbackList",
     "DataAdapter",
     "Distribution",
@@ -109,6 +112,8 @@ class Symbol(NamedTuple):
 
 _LOOP = ("self",)
 SYMBOLS = (
+    # Random layers: each replica folds its id into the seeds it draws.
+    Symbol(SeedGenerator, "next", ("self", "ordered")),
     # The trainer: loops run in the strategy's scope, steps are ours.
     *(Symbol(JAXTrainer, loop, _LOOP) for loop in ("fit", "evaluate", "predict")),
     *(Symbol(JAXTrainer, f"{kind}_on_batch", _LOOP) for kind in ("train", "test", "predict")),

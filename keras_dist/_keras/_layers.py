@@ -1,12 +1,15 @@
-"""Keras layers and losses under a strategy: batch-norm statistics and empty batches."""
+"""Keras layers and losses under a strategy: batch-norm statistics, empty batches and
+each replica's own random draws."""
 
 import functools
 import threading
 
+import jax
 from keras import ops
 
 from keras_dist import _context
 from keras_dist._keras._internals import BatchNormalization
+from keras_dist._keras._internals import SeedGenerator
 from keras_dist._keras._internals import loss_module
 
 _batch_norm_building = threading.local()
@@ -49,9 +52,37 @@ def _wrap_reduce_values(original):
     return reduce_values
 
 
+def _wrap_seed_next(original):
+    """Each replica draws its own random numbers, as tf.keras's replicas do.
+
+    A ``SeedGenerator``'s state is a mirrored variable: every replica holds the
+    same and moves it on alike, so every replica drew the same seed, and a
+    ``Dropout`` dropped the same rows of every replica's part of the batch (the
+    noise of one replica's rows repeated, unlike one device's). The seed a
+    replica gets has its replica id folded in; the state moves on as before.
+    One replica draws Keras's own seeds.
+    """
+
+    @functools.wraps(original)
+    def next(self, ordered=True):
+        seed = original(self, ordered)
+        replica_context = _context.running_replica_context()
+        if (
+            replica_context is None
+            or replica_context.num_replicas_in_sync == 1
+            or not isinstance(seed, jax.Array)  # (a NumPy generator's, for data pipelines)
+        ):
+            return seed
+        return jax.random.fold_in(seed, replica_context.replica_id_in_sync_group)
+
+    return next
+
+
 def install_layer_hooks() -> None:
-    """Batch-norm statistics per replica (as tf.keras); empty batches' losses are 0."""
+    """Batch-norm statistics per replica (as tf.keras); empty batches' losses are 0;
+    each replica's random draws are its own."""
     if getattr(BatchNormalization.build, "_keras_dist_hook", False):
         return
     BatchNormalization.build = _wrap_batch_norm_build(BatchNormalization.build)
     loss_module.reduce_values = _wrap_reduce_values(loss_module.reduce_values)
+    SeedGenerator.next = _wrap_seed_next(SeedGenerator.next)
