@@ -112,6 +112,8 @@ class Symbol(NamedTuple):
 
 _LOOP = ("self",)
 SYMBOLS = (
+    # A replica without rows has a loss of 0 (``_layers.py``).
+    Symbol(Trainer, "_compute_loss", ("self", "x", "y", "y_pred", "sample_weight", "training")),
     # Random layers: each replica folds its id into the seeds it draws.
     Symbol(SeedGenerator, "next", ("self", "ordered")),
     # The trainer: loops run in the strategy's scope, steps are ours.

@@ -599,3 +599,45 @@ def test_batch_norm_statistics_are_per_replica_and_read_as_their_mean():
     # Per-replica variances are 1 (a synchronized batch would have variance 26).
     np.testing.assert_allclose(np.ravel(numpy_components(layer.moving_variance)), [1.0, 1.0])
     np.testing.assert_allclose(layer.moving_variance.numpy(), [1.0], rtol=1e-6)
+
+
+class _MeanActivityLoss(keras.layers.Layer):
+    def call(self, h):
+        self.add_loss(0.01 * keras.ops.mean(keras.ops.abs(h)))
+        return h
+
+
+class _OwnLossModel(keras.Sequential):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return loss + 0.01 * keras.ops.mean(keras.ops.square(y_pred))
+
+
+@pytest.mark.parametrize("kind", ["add_loss_of_a_mean", "compute_loss_override"])
+def test_a_replica_without_rows_adds_nothing_to_a_mean_based_loss(kind):
+    # 18 rows in batches of 16: the last 2 rows leave two of four replicas none; a mean
+    # over no rows is NaN, and the reported loss was NaN.
+    x = np.random.default_rng(0).normal(size=(18, 5)).astype("float32")
+    y = x[:, :1]
+
+    def build():
+        keras.utils.set_random_seed(0)
+        cls = _OwnLossModel if kind == "compute_loss_override" else keras.Sequential
+        layers = [keras.Input((5,)), keras.layers.Dense(4)]
+        layers += [_MeanActivityLoss()] if kind == "add_loss_of_a_mean" else []
+        model = cls([*layers, keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    results = []
+    for strategy in (kd.MirroredStrategy(cpus(4)), None):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = build()
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        results.append((history["loss"], model.evaluate(x, y, batch_size=16, verbose=0)))
+        results[-1] += (model.get_weights(),)
+    (losses, evaluated, weights), (plain_losses, plain_evaluated, plain_weights) = results
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+    np.testing.assert_allclose(evaluated, plain_evaluated, rtol=1e-5)
+    for ours, theirs in zip(weights, plain_weights):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
