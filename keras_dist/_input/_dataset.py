@@ -178,10 +178,11 @@ class DistributedDataset:
             rebatched = RebatchedForEveryWorker(extended, dataset)
             return cls(lambda: _ahead(rebatched(), options))
         splitter = GlobalBatchSplitter(extended, strided=True)
+        whole = _whole_for_one_replica(strategy)
 
         def make_next_fn():
             iterator = iter(dataset)
-            return _ahead(lambda: splitter(next(iterator)), options)
+            return _ahead(lambda: whole(splitter(next(iterator))), options)
 
         return cls(make_next_fn)
 
@@ -228,8 +229,10 @@ class DistributedDataset:
                 # Local reads run ahead; the step is agreed on the caller's thread.
                 return AgreedSteps(extended, _ahead(read_local, options))
 
+            whole = _whole_for_one_replica(strategy)
+
             def next_fn():
-                return per_replica_batches(extended, read_local())
+                return whole(per_replica_batches(extended, read_local()))
 
             return _ahead(next_fn, options)
 
@@ -275,6 +278,22 @@ def _calls(next_fn):
             yield next_fn()
         except StopIteration:
             return
+
+
+def _whole_for_one_replica(strategy):
+    """What makes a step's element as TF gives it: with one replica in sync, the batch
+    itself (``x.shape``, ``x * 2`` and ``float(x)`` work on it), not a ``PerReplica``."""
+    if strategy.num_replicas_in_sync != 1:
+        return lambda element: element
+
+    def whole(element):
+        return jax.tree_util.tree_map(
+            lambda x: x.values[0] if isinstance(x, PerReplica) else x,
+            element,
+            is_leaf=lambda x: isinstance(x, PerReplica),
+        )
+
+    return whole
 
 
 def _spec_of(value):

@@ -16,3 +16,15 @@ class OneDeviceStrategy(Strategy):
 
     def __init__(self, device):
         super().__init__(MeshExtended(self, (resolve_device(device),)))
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """``value_fn(ValueContext)``'s value on the device, itself (as TF's OneDeviceStrategy
+        gives it: no ``PerReplica`` around one value).
+
+        >>> import keras_dist as kd
+        >>> strategy = kd.OneDeviceStrategy("/cpu:0")
+        >>> float(strategy.experimental_distribute_values_from_function(lambda ctx: 3.0) * 2)
+        6.0
+        """
+        value = super().experimental_distribute_values_from_function(value_fn)
+        return self.experimental_local_results(value)[0]

@@ -102,10 +102,32 @@ class Strategy(DistributionStrategy):
         >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
         >>> float(strategy.reduce("MEAN", kd.PerReplica((1.0, 3.0)), axis=None))
         2.0
+
+        A nest of values (``run``'s results as they come) is reduced element by
+        element, with ``axis=None``:
+
+        >>> pair = (kd.PerReplica((1.0, 3.0)), kd.PerReplica((1.0, 1.0)))
+        >>> total, count = strategy.reduce("SUM", pair, axis=None)
+        >>> float(total), float(count)
+        (4.0, 2.0)
         """
         reduce_op = ReduceOp.from_value(reduce_op)
         require_cross_replica("reduce")
         value = _without_tensorflow_values(value)
+        if _is_nest(value):
+            # ``run``'s results as they come (a tuple or dict of per-replica values):
+            # TF reduces each element.
+            if axis is not None:
+                raise ValueError(
+                    "`strategy.reduce` with an axis takes one distributed value, not a "
+                    f"nest of them; reduce each element, e.g. [strategy.reduce(op, v, "
+                    f"axis={axis!r}) for v in values]. Received: a {type(value).__name__}"
+                )
+            return jax.tree_util.tree_map(
+                lambda v: self._extended.reduce_value(reduce_op, v, None),
+                value,
+                is_leaf=lambda v: isinstance(v, DistributedValues),
+            )
         if axis is not None:
             axis = _checked_axis("reduce", value, axis)
         return self._extended.reduce_value(reduce_op, value, axis)
@@ -254,6 +276,11 @@ def _per_replica_rank(value):
     if hasattr(value, "ndim") or isinstance(value, (int, float, complex)):
         return np.ndim(value)
     return None  # a nest or a list: left to the reduction itself
+
+
+def _is_nest(value) -> bool:
+    """A tuple, list or dict (of values to reduce one by one), not one distributed value."""
+    return isinstance(value, (tuple, list, dict)) and not isinstance(value, DistributedValues)
 
 
 def _is_nest_of_distributed(value) -> bool:

@@ -266,3 +266,23 @@ def test_gather_one_device(engine):
     strategy = kd.OneDeviceStrategy("/cpu:0")
     value = strategy.run(lambda: jnp.array([1, 2, 3]))
     np.testing.assert_array_equal(strategy.gather(value, axis=0), [1, 2, 3])
+
+
+def test_reduce_of_a_nest_reduces_each_element_as_tf(engine):
+    # TF 2.21: the tuple/dict `run` returns, reduced with axis=None, element by element
+    # (a batch of 0..7 on 4 replicas: sums 28.0, max 16.0 summed over replicas).
+    strategy = kd.MirroredStrategy(cpus(4))
+    batch = next(iter(strategy.experimental_distribute_dataset([np.arange(8, dtype="float32")])))
+    out = strategy.run(lambda x: (jnp.sum(x), jnp.max(x)), args=(batch,))
+    total, top = strategy.reduce("SUM", out, axis=None)
+    assert (float(total), float(top)) == (28.0, 16.0)
+    means = strategy.reduce("MEAN", {"a": out[0], "b": out[1]}, axis=None)
+    assert {k: float(v) for k, v in means.items()} == {"a": 7.0, "b": 4.0}
+
+    @kd.function
+    def step(x):
+        return strategy.reduce("SUM", strategy.run(lambda x: (jnp.sum(x), jnp.max(x)), (x,)), None)
+
+    assert [float(v) for v in step(batch)] == [28.0, 16.0]
+    with pytest.raises(ValueError, match="reduce each element"):
+        strategy.reduce("SUM", out, axis=0)

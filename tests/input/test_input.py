@@ -5,6 +5,7 @@ Expected values are TF's (its input_lib and distribute_datasets tests), taken as
 the replica count ``n`` where TF's tests give them for two replicas.
 """
 
+import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -645,3 +646,43 @@ def test_partial_batch_sizes_are_tf_221s(rows, sizes):
     strategy = kd.MirroredStrategy(cpus(4))
     dataset = strategy.experimental_distribute_dataset([np.arange(rows)])
     assert [len(part) for part in _epoch(strategy, dataset)[0]] == sizes
+
+
+@pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: kd.MirroredStrategy(cpus(1))],
+    ids=["one_device", "mirrored_1"],
+)
+def test_one_replica_gets_each_batch_itself_as_in_tf(make_strategy):
+    # TF 2.21: with one replica in sync, distributed datasets give the batches
+    # themselves (EagerTensors), so `x.shape`, `x * 2` and `float(...)` work on them.
+    strategy = make_strategy()
+    x = np.arange(10, dtype="float32")
+    for dataset in (
+        strategy.experimental_distribute_dataset(
+            strategy.experimental_make_numpy_dataset(x).batch(4)
+        ),
+        strategy.distribute_datasets_from_function(
+            lambda context: strategy.experimental_make_numpy_dataset(x).batch(4)
+        ),
+    ):
+        batches = list(dataset)
+        assert not any(isinstance(b, kd.DistributedValues) for b in batches)
+        assert [b.shape for b in batches] == [(4,), (4,), (2,)]
+        assert float(jnp.sum(batches[-1] * 2)) == 34.0
+        total = strategy.reduce(
+            "SUM", strategy.run(lambda b: jnp.sum(b), args=(batches[0],)), axis=None
+        )
+        assert float(total) == 6.0
+        assert dataset.element_spec.shape == (4,)
+
+
+def test_one_device_values_from_function_is_the_value_itself_as_in_tf():
+    strategy = kd.OneDeviceStrategy("/cpu:0")
+    value = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(2) * 3)
+    assert not isinstance(value, kd.DistributedValues)
+    np.testing.assert_array_equal(np.asarray(value * 2), [6.0, 6.0])
+    # A Mirrored strategy on one device keeps TF's PerReplica there.
+    mirrored = kd.MirroredStrategy(cpus(1))
+    per_replica = mirrored.experimental_distribute_values_from_function(lambda ctx: 1.0)
+    assert isinstance(per_replica, kd.DistributedValues)
