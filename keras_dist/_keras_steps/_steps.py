@@ -50,6 +50,7 @@ from keras_dist._keras import replaced_methods
 from keras_dist._keras import step_state
 from keras_dist._keras_steps._per_shape_steps import PerShapeSteps
 from keras_dist._keras_steps._repeated_steps import RepeatedSteps
+from keras_dist._keras_steps._uneven_batches import UnevenBatchWatch
 from keras_dist._values import PerReplica
 from keras_dist._values._variables import DistributedVariable
 from keras_dist._values._variables import MirroredVariable
@@ -206,6 +207,7 @@ class DistributedSteps:
         self._predict_rows = None
         self._uneven = PerShapeSteps(model, strategy)
         self._repeated = RepeatedSteps(strategy.extended)
+        self._uneven_watch = UnevenBatchWatch(strategy.num_replicas_in_sync)
         # Only where executions are serialized (several CPU devices) is there a wait to defer.
         extended = strategy.extended
         self._serialized = isinstance(extended, MeshRuntime) and extended.placement.serializes
@@ -255,6 +257,7 @@ class DistributedSteps:
             # compiled call, as Keras's jitted multi-step function and TF's do.
             splits = [self._split(data) for data in batches]
             if _same_even_layout(splits):
+                self._uneven_watch.saw_even()
                 rows = tuple(_nonempty_rows(data, "`model.fit`") for data in batches)
                 return self._logs(self._run(multi_step, splits, rows), uneven=False)
         logs = None
@@ -266,10 +269,12 @@ class DistributedSteps:
     def _train_batch(self, data, split=None):
         logs = self._run_repeated("train", data, split)
         if logs is not MISSED:
+            self._uneven_watch.saw_even()
             return logs
         rows = _nonempty_rows(data, "`model.fit`")
         split = self._split(data) if split is None else split
         uneven = _had_uneven(split)
+        self._uneven_watch.saw(rows, uneven)
         if uneven and self._runs_uneven_steps():
             GATE.wait()
             return self._uneven.train(split, rows)

@@ -641,3 +641,25 @@ def test_a_replica_without_rows_adds_nothing_to_a_mean_based_loss(kind):
     np.testing.assert_allclose(evaluated, plain_evaluated, rtol=1e-5)
     for ours, theirs in zip(weights, plain_weights):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_size_the_replicas_cannot_share_evenly_warns_once():
+    import warnings
+
+    from keras_dist._keras_steps._uneven_batches import UnevenBatchWarning
+
+    x = np.random.default_rng(0).normal(size=(100, 4)).astype("float32")
+    y = x[:, :1]
+    strategy = kd.MirroredStrategy(cpus(4))
+    caught = {}
+    for batch_size in (32, 30):  # 100 rows: a partial last batch of 4, or every batch uneven
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=batch_size, epochs=3, verbose=0)
+        caught[batch_size] = [r for r in records if issubclass(r.category, UnevenBatchWarning)]
+    assert caught[32] == []
+    (warning,) = caught[30]
+    assert "30 rows" in str(warning.message) and "multiple of 4 (28 or 32)" in str(warning.message)
