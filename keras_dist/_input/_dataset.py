@@ -11,6 +11,7 @@ Batches are read, split and sent to the devices ahead of use (``Prefetch``).
 import collections.abc
 
 import jax
+import keras
 import numpy as np
 
 from keras_dist import errors
@@ -173,7 +174,7 @@ class DistributedDataset:
         if not isinstance(
             extended, MeshRuntime
         ):  # no mesh: batches go to the one replica as they are
-            return cls(lambda: iter(dataset).__next__)
+            return cls(lambda: _passes(dataset).__next__)
         if extended.spans_processes and _policy_is_off(dataset):
             rebatched = RebatchedForEveryWorker(extended, dataset)
             return cls(lambda: _ahead(rebatched(), options))
@@ -181,7 +182,7 @@ class DistributedDataset:
         whole = _whole_for_one_replica(strategy)
 
         def make_next_fn():
-            iterator = iter(dataset)
+            iterator = _passes(dataset)
             return _ahead(lambda: whole(splitter(next(iterator))), options)
 
         return cls(make_next_fn)
@@ -196,7 +197,7 @@ class DistributedDataset:
         if not isinstance(extended, MeshRuntime):
             dataset = dataset_fn(InputContext(1, 0, n))
             _check_iterable(dataset)
-            return cls(lambda: iter(dataset).__next__)
+            return cls(lambda: _passes(dataset).__next__)
         first = extended.first_local_replica_id
         local = range(first, first + extended.num_local_replicas)
         if per_replica:
@@ -212,7 +213,7 @@ class DistributedDataset:
         )
 
         def make_next_fn():
-            iterators = [iter(d) for d in datasets]
+            iterators = [_passes(d) for d in datasets]
 
             def read_local():
                 batches = []
@@ -278,6 +279,20 @@ def _calls(next_fn):
             yield next_fn()
         except StopIteration:
             return
+
+
+def _passes(dataset):
+    """An iterator over one pass of ``dataset``; a ``keras.utils.PyDataset`` has its
+    ``on_epoch_end`` called after a whole pass, as ``fit`` calls it (its reshuffle)."""
+    iterator = iter(dataset)
+    if not isinstance(dataset, keras.utils.PyDataset):
+        return iterator
+
+    def one_pass():
+        yield from iterator
+        dataset.on_epoch_end()
+
+    return one_pass()
 
 
 def _whole_for_one_replica(strategy):

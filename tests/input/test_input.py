@@ -686,3 +686,38 @@ def test_one_device_values_from_function_is_the_value_itself_as_in_tf():
     mirrored = kd.MirroredStrategy(cpus(1))
     per_replica = mirrored.experimental_distribute_values_from_function(lambda ctx: 1.0)
     assert isinstance(per_replica, kd.DistributedValues)
+
+
+def test_a_pydatasets_on_epoch_end_follows_each_whole_pass():
+    # The porting table's advice: reshuffle a PyDataset in `on_epoch_end`. Each whole
+    # pass over a distributed dataset ends the source's epoch, as `fit` ends it.
+    class Epochs(keras.utils.PyDataset):
+        def __init__(self, batches=2):
+            super().__init__()
+            self.batches = batches
+            self.ends = 0
+
+        def __len__(self):
+            return self.batches
+
+        def __getitem__(self, index):
+            return np.full((4, 1), index + 10 * self.ends, "float32")
+
+        def on_epoch_end(self):
+            self.ends += 1
+
+    strategy = kd.MirroredStrategy(cpus(2))
+    source = Epochs()
+    dataset = strategy.experimental_distribute_dataset(source)
+    firsts = []
+    for _ in range(2):
+        batches = list(dataset)
+        firsts.append(float(np.asarray(strategy.experimental_local_results(batches[0])[0])[0, 0]))
+    assert source.ends == 2 and firsts == [0.0, 10.0]  # the second pass read the new epoch
+    # A pass left unfinished (the reader runs a batch or two ahead) ends no epoch.
+    long_source = Epochs(batches=20)
+    next(iter(strategy.experimental_distribute_dataset(long_source)))
+    assert long_source.ends == 0
+    per_worker = Epochs()
+    list(strategy.distribute_datasets_from_function(lambda context: per_worker))
+    assert per_worker.ends == 1
