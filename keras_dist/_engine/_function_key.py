@@ -22,8 +22,24 @@ True
 import math
 import types
 import weakref
+from typing import NamedTuple
 
 _UNRECOGNISABLE = object()
+
+
+class MethodCode(NamedTuple):
+    """What a bound method's traces are counted under: its code and its object.
+
+    Each object's method is a function of its own: a script that trains several
+    models traces each model's steps once, which is not retracing.
+    """
+
+    code: object
+    instance: int  # id() of the object (its traces are its own)
+
+    @property
+    def co_qualname(self) -> str:
+        return getattr(self.code, "co_qualname", str(self.code))
 
 
 class FunctionKey:
@@ -43,7 +59,7 @@ class FunctionKey:
     def __init__(self, fn):
         if isinstance(fn, types.MethodType):
             parts = (_identity(fn.__func__), _identity(fn.__self__))
-            self.code = getattr(fn.__func__, "__code__", fn.__func__)
+            self.code = MethodCode(getattr(fn.__func__, "__code__", fn.__func__), id(fn.__self__))
         elif isinstance(fn, types.FunctionType):
             parts = _function_parts(fn)
             self.code = fn.__code__

@@ -112,3 +112,20 @@ def test_a_new_function_object_each_call_warns():
         for i in range(6):
             values.append(float(strategy.reduce("SUM", strategy.run(fresh(i)), axis=None)))
     assert values == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+def test_training_several_models_is_not_retracing():
+    # Each model's steps are bound methods of their own object: a script (or a search)
+    # that trains model after model traces each once, which is no reason to warn.
+    strategy = kd.MirroredStrategy(cpus(4))
+    x = np.random.default_rng(0).normal(size=(20, 4)).astype("float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+                model.compile(optimizer="sgd", loss="mse")
+            model.fit(
+                x, x[:, :1], batch_size=16, epochs=1, verbose=0, validation_data=(x, x[:, :1])
+            )
+    assert not [w for w in caught if issubclass(w.category, RetracingWarning)]
