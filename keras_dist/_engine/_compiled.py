@@ -80,7 +80,9 @@ class TraceRecord:
         self.assigned: dict = {}
         self.unmapped: dict = {}
         self.out = None
-        self.layout = None  # a ``StateLayout``: which variables came back as they went in
+        # Per mirrored and SyncOnRead variable: whether it came back as it went in.
+        self.unchanged = None
+        self.layout = None  # the ``StateLayout`` made of it
         self.join_large_outputs = join_large_outputs  # see ``_joins``
 
 
@@ -99,8 +101,7 @@ class _Entry:
         # Every threaded variable, mirrored ones first, then SyncOnRead, then foreign;
         # within each, the written ones first (``StateLayout``).
         self.layout = layout = record.layout
-        mirrored = layout.ordered_mirrored(mirrored)
-        sync_on_read = layout.ordered_sync(sync_on_read)
+        mirrored, sync_on_read = layout.ordered(0, mirrored), layout.ordered(1, sync_on_read)
         self._refs = [weakref.ref(v) for v in (*mirrored, *sync_on_read, *foreign)]
         self._bounds = (len(mirrored), len(mirrored) + len(sync_on_read))
         self.out_treedef, self.out_layout, self.has_sum, self.joined, self.stacked_out = record.out
@@ -121,7 +122,7 @@ class _Entry:
         extended = self.extended
         mirrored_variables, sync_on_read_variables, foreign_variables = self._variables()
         mirrored = [v.stored() for v in mirrored_variables]
-        written = self.layout.written_mirrored
+        written = self.layout.written(0)
         if not self._stored.unchanged(mirrored):
             mirrored = [extended.compute_value(v) for v in mirrored_variables]
             copy_shared_storage(mirrored_variables, mirrored)
@@ -348,10 +349,11 @@ class CompiledEngine:
             record.assigned = dict(scope.assigned)
             record.unmapped = dict(scope.unmapped)
             state = scope.state_mapping  # a variable left as it was holds its input itself
-            record.layout = StateLayout(
+            record.unchanged = [
                 [state[id(v)] is x for v, x in zip(mirrored, mirrored_values)],
                 [state[id(v)] is x for v, x in zip(sync_on_read, sync_on_read_components)],
-            )
+            ]
+            record.layout = StateLayout(record.unchanged)
             new_mirrored = [scope.state_mapping[id(v)] for v in mirrored]
             new_sync_on_read = [jnp.asarray(scope.state_mapping[id(v)])[None] for v in sync_on_read]
             out_leaves, out_treedef = jax.tree_util.tree_flatten(

@@ -42,6 +42,7 @@ from keras_dist._engine._inline import FunctionTrace
 from keras_dist._engine._next_element import is_argument_leaf
 from keras_dist._engine._next_element import with_next_elements
 from keras_dist._engine._retracing import RetraceMonitor
+from keras_dist._engine._state_layout import StateLayout
 from keras_dist._input import DistributedIterator
 from keras_dist._input import EndOfInput
 from keras_dist._keras import KerasVariable
@@ -68,8 +69,9 @@ _RUNS_AS_PYTHON = (
 class _Program:
     """One compiled program of a ``kd.function``, and the state it threads (weakly)."""
 
-    def __init__(self, compiled, lowered, state, extendeds, out_record, versions):
-        self.compiled = compiled
+    def __init__(self, lowered, state, extendeds, out_record, layout):
+        self.compiled = compiled = lowered.compile()
+        self.layout = layout  # written variables first: only they are donated and returned
         self.lowered = lowered  # kept for inspection: tests count collectives in it
         # Held weakly; a variable's death marks the program stale (no check per call).
         self._liveness = _Liveness()
@@ -79,7 +81,7 @@ class _Program:
         self.lock = extendeds[0].lock if extendeds else contextlib.nullcontext()
         # ``cut_to_local``: the outputs hold ``LocalResults`` (only across processes).
         self.out_treedef, self.out_layout, self.cut_to_local = out_record
-        self.versions = versions
+        self.versions = _versions(extendeds)
         self._mesh = next((e for e in extendeds if isinstance(e, MeshRuntime)), None)
         # How each variable is read and written back, decided once: a step's host
         # work is this loop, so it should not ask each variable what it is.
@@ -87,7 +89,7 @@ class _Program:
         self._held = [_holding(v) for v in state]
         self._stored = StoredOutputs()
         # Where the program takes its array arguments (after the threaded state).
-        self._placement = ProgramPlacement(compiled.input_shardings[0][1])
+        self._placement = ProgramPlacement(compiled.input_shardings[0][-1])
 
     def current(self) -> bool:
         return self._liveness.alive and self.versions == _versions(self.extendeds)
@@ -102,12 +104,13 @@ class _Program:
         if self._mesh is not None:
             # As the strategy runs its programs: across processes under the peer
             # watch, so that a lost worker is named instead of waited on forever.
-            new_state, outputs = self._mesh.placement.execute(self.compiled, values, dynamic)
+            execute = self._mesh.placement.execute
         else:
-            new_state, outputs = GATE.call(False, self.compiled, values, dynamic)
+            execute = functools.partial(GATE.call, False)
+        new_state, outputs = execute(self.compiled, *self.layout.arguments(values, dynamic))
         for (_, write), variable, value in zip(self._access, state, new_state):
-            write(variable, value)
-        self._stored.remember(new_state)
+            write(variable, value)  # (only the written ones came back: the first)
+        self._stored.remember(new_state + values[len(new_state) :])
         outputs = _rebuild(self.out_treedef, self.out_layout, outputs)
         return local_only(outputs) if self.cut_to_local else outputs
 
@@ -384,15 +387,10 @@ class Function:
             )
         self._state = [weakref.ref(v) for v in state]
         self._tracing_count += 1
-        lowered = traced.lower()
-        return _Program(
-            lowered.compile(),
-            lowered,
-            state,
-            trace.extendeds,
-            self._out_record,
-            _versions(trace.extendeds),
-        )
+        layout = StateLayout([self._unchanged])
+        lowered = layout.lower(traced, values, [for_trace(x) for x in dynamic])
+        state = layout.ordered(0, state)
+        return _Program(lowered, state, trace.extendeds, self._out_record, layout)
 
     def _traceable(self, trace, state, shardings, treedef, leaves, kinds):
         def program(state_values, dynamic_values):
@@ -416,6 +414,7 @@ class Function:
             with _context.function_trace(trace), scope:
                 outputs = self.python_function(*args, **kwargs)
             arrays, self._out_record = _flatten_outputs(outputs)
+            self._unchanged = [scope.state_mapping[id(v)] is x for v, x in zip(state, state_values)]
             # New values keep their variables' shardings: no resharding next step.
             new_state = [
                 _keep_sharding(scope.state_mapping[id(v)], sharding)

@@ -142,10 +142,15 @@ def run_inline(engine, extended, fn, args, kwargs, trace):
         trace.created_variables = True  # optimizer slots made on the first trace: trace again
     else:
         engine.check_assignments(record, mirrored, sync_on_read)
-    for variable, value in zip(mirrored, new_mirrored):
-        scope.store(variable, value)
-    for variable, value in zip(sync_on_read, new_sync_on_read):
-        scope.store(variable, value)
+    # A variable the replicas left as it was keeps the function's own value: the
+    # function then does not give it back either (``_state_layout.py``).
+    unchanged_mirrored, unchanged_sync = record.unchanged
+    for variable, value, same in zip(mirrored, new_mirrored, unchanged_mirrored):
+        if not same:
+            scope.store(variable, value)
+    for variable, value, same in zip(sync_on_read, new_sync_on_read, unchanged_sync):
+        if not same:
+            scope.store(variable, value)
     return assemble_outputs(record.out + (stacked_out,), arrays, sums, replicated)
 
 

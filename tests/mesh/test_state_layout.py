@@ -123,3 +123,35 @@ def test_predict_and_evaluate_after_fit_leave_weights_and_slots_in_place(replica
         m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     for ours, theirs in zip(model.weights, plain.weights):
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_kd_function_gives_back_only_the_variables_it_writes(devices):
+    strategy = kd.MirroredStrategy(cpus(devices))
+    with strategy.scope():
+        read = keras.Variable(np.arange(3, dtype="float32"))
+        written = keras.Variable(np.zeros(3, "float32"))
+        unused = keras.Variable(np.zeros(5, "float32"))
+        metric = keras.metrics.Sum()  # a SyncOnRead variable, written in the replicas
+
+    def replica_step():
+        written.assign_add(read.value)
+        metric.update_state(read.value)
+        return read.value * 2
+
+    @kd.function
+    def step():
+        return strategy.reduce("MEAN", strategy.run(replica_step), axis=None)
+
+    step()
+    read_array, unused_array = read.value, unused.value
+    for _ in range(3):
+        out = step()
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.arange(3))
+    np.testing.assert_array_equal(written.numpy(), 4 * np.arange(3))
+    assert float(metric.result()) == 4 * 3 * devices
+    assert read.value is read_array and unused.value is unused_array
+    (program,) = step._programs.values()
+    arguments = program.lowered.as_text().split("@main(")[1].split(") ->")[0]
+    assert "tensor<5xf32>" not in arguments
+    assert _donated_arguments(program) == 2  # `written` and the metric's `total`
