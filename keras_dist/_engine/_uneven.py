@@ -172,35 +172,39 @@ class UnevenEngine(EagerEngine):
         rows = np.asarray(placement.all_rows(placement.put_local_rows(padded)))
         return [row[tuple(slice(0, n) for n in shape)] for row, shape in zip(rows, shapes)]
 
-    def _sync_on_read_components(self, variable) -> list:
-        """A SyncOnRead variable's components for the program (every process's, if it spans)."""
+    def _sync_on_read_stacked(self, variable):
+        """A SyncOnRead variable's stacked components for the program (every process's, if
+        it spans them)."""
         if not self._replicas.every_process:
-            return list(variable.local_components())
-        every = self._extended.placement.all_rows(variable.stored())
-        return [every[i] for i in range(every.shape[0])]
+            return variable.stored()
+        return self._extended.placement.all_rows(variable.stored())
 
     def _program_inputs(self, mirrored, sync_on_read, foreign) -> list:
         """The variables' values as the program takes them, on the first local device."""
+        first = self._extended.local_devices[0]
         return [
             [self._on_first_device(v.component(0)) for v in mirrored],
-            [
-                [self._on_first_device(c) for c in self._sync_on_read_components(v)]
-                for v in sync_on_read
-            ],
+            # (Every row, gathered: ``_on_first_device`` takes a replicated array's copy.)
+            [jax.device_put(self._sync_on_read_stacked(v), first) for v in sync_on_read],
             [self._on_first_device(v.value) for v in foreign],
         ]
 
     def _call(self, program, variables, dynamic):
         extended = self._extended
         mirrored, sync_on_read, foreign = variables
-        new_mirrored, new_components, outputs = program.compiled(
+        new_mirrored, new_stacked, outputs = program.compiled(
             *self._program_inputs(mirrored, sync_on_read, foreign), dynamic
         )
         local = self._replicas.local
-        for variable, value in zip(mirrored, new_mirrored):
-            extended.store_computed(variable, extended.placement.replicate(value))
-        for variable, components in zip(sync_on_read, new_components):
-            variable.store(extended.placement.stack_components(components[local]))
+        placement = extended.placement
+        # One batched transfer each: a step's host time is mostly these (per variable).
+        for variable, value in zip(mirrored, placement.replicate_all(new_mirrored)):
+            extended.store_computed(variable, value)
+        if sync_on_read:
+            everyone = local == slice(0, self._replicas.count)
+            rows = [stacked if everyone else stacked[local] for stacked in new_stacked]
+            for variable, value in zip(sync_on_read, placement.put_local_rows_all(rows)):
+                variable.store(value)
         return self._assemble(program.out_record, outputs[local])
 
     def _assemble(self, out_record, outputs):
@@ -254,14 +258,14 @@ class UnevenEngine(EagerEngine):
         mirrored, sync_on_read, foreign = variables
         n = self._replicas.count
 
-        def program(mirrored_values, sync_on_read_components, foreign_values, dynamic_values):
+        def program(mirrored_values, sync_on_read_stacked, foreign_values, dynamic_values):
             self.trace_count += 1
             shared = {id(v): x for v, x in zip(mirrored, mirrored_values)}
             shared.update({id(v): x for v, x in zip(foreign, foreign_values)})
             replica_values = []
             for i in range(n):
                 values = dict(shared)
-                values.update({id(v): c[i] for v, c in zip(sync_on_read, sync_on_read_components)})
+                values.update({id(v): c[i] for v, c in zip(sync_on_read, sync_on_read_stacked)})
                 replica_values.append(values)
             per_replica = []
             for i in range(n):
@@ -286,8 +290,11 @@ class UnevenEngine(EagerEngine):
                 record.unmapped.update(scope.unmapped)
             outputs, record.out = _flatten_outputs(results)
             new_mirrored = [replica_values[0][id(v)] for v in mirrored]
-            new_components = [[values[id(v)] for values in replica_values] for v in sync_on_read]
-            return new_mirrored, new_components, outputs
+            new_stacked = [
+                jnp.stack([jnp.asarray(values[id(v)], v.dtype) for values in replica_values])
+                for v in sync_on_read
+            ]
+            return new_mirrored, new_stacked, outputs
 
         return program
 

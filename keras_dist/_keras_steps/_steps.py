@@ -44,10 +44,9 @@ from keras_dist._input import batch_rows
 from keras_dist._input import densify
 from keras_dist._keras import compiled_under
 from keras_dist._keras import execution_batches
-from keras_dist._keras import gradient_share
-from keras_dist._keras import overrides_step
-from keras_dist._keras import replaced_methods
 from keras_dist._keras import step_state
+from keras_dist._keras_steps._custom_steps import counted_by_share
+from keras_dist._keras_steps._custom_steps import custom_logs_averaged
 from keras_dist._keras_steps._per_shape_steps import PerShapeSteps
 from keras_dist._keras_steps._repeated_steps import RepeatedSteps
 from keras_dist._keras_steps._uneven_batches import UnevenBatchWatch
@@ -105,34 +104,14 @@ def _replicated_logs(logs):
     return jax.tree_util.tree_map(ReplicatedOutput, logs)
 
 
-def _custom_logs_averaged(model, kind, logs):
-    """A custom ``{kind}_step``'s logs, averaged over the replicas in a compiled step.
-
-    Keras's own steps read their logs from the aggregated metrics: the same on
-    every replica. A custom step may return its replica's own values (the
-    ``stateless_result`` of its metric values, as Keras's JAX guide writes it);
-    Keras's TensorFlow backend takes their mean over the replicas, and so does
-    this. Float leaves only: anything else is the first replica's.
-    """
-    replica_context = _context.current_frame().replica_context
-    if (
-        not overrides_step(model, kind)
-        or replica_context is None
-        or replica_context.eager_index is not None
-        or replica_context.num_replicas_in_sync == 1
-    ):
-        return logs
-    leaves, treedef = jax.tree_util.tree_flatten(logs)
-    floating = [i for i, x in enumerate(leaves) if _is_float_array(x)]
-    if floating:
-        means = replica_context.all_reduce("MEAN", [leaves[i] for i in floating])
-        for i, mean in zip(floating, means):
-            leaves[i] = mean
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _is_float_array(x) -> bool:
-    return isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+def uneven_in_one_program(extended) -> bool:
+    """Whether ``fit``'s uneven batches run as one program of every replica (``strategy.run``'s
+    uneven engine) rather than one program per replica: on one process's CPU devices."""
+    return (
+        isinstance(extended, MeshRuntime)
+        and not extended.spans_processes
+        and extended.local_devices[0].platform == "cpu"
+    )
 
 
 def _first_component(value):
@@ -294,21 +273,26 @@ class DistributedSteps:
             self._repeated.learn(name, data, fn, args)
 
     def _runs_uneven_steps(self) -> bool:
-        """Whether an uneven batch runs as per-shape programs (not while debugging)."""
-        if self._runs_eagerly():
+        """Whether an uneven batch runs as per-shape programs (not while debugging).
+
+        Not on one process's CPU devices: there ``strategy.run``'s uneven engine (one
+        program of every replica, on the first device) is 3x faster, and the devices
+        share the cores anyway. On accelerators each replica's program runs on its own.
+        """
+        if self._runs_eagerly() or uneven_in_one_program(self.strategy.extended):
             return False
         return self._uneven.supports(self.model)
 
     def _replica_train_step(self, data, global_rows):
         model = self.model
         state = step_state(model, "train")
-        with _counted_by_share(model, batch_rows(data) / global_rows):
+        with counted_by_share(model, batch_rows(data) / global_rows):
             logs, new_state = model.train_step(state, data)
         _assign(model.trainable_variables, new_state[0])
         _assign(model.non_trainable_variables, new_state[1])
         _assign(model.optimizer.variables, new_state[2])
         _assign(model.metrics_variables, new_state[3])
-        return _replicated_logs(_custom_logs_averaged(model, "train", logs))
+        return _replicated_logs(custom_logs_averaged(model, "train", logs))
 
     # ------------------------------------------------------------------- test
     def _test_batch(self, data, split=None):
@@ -331,7 +315,7 @@ class DistributedSteps:
         logs, new_state = model.test_step(state, data)
         _assign(model.non_trainable_variables, new_state[1])
         _assign(model.metrics_variables, new_state[2])
-        return _replicated_logs(_custom_logs_averaged(model, "test", logs))
+        return _replicated_logs(custom_logs_averaged(model, "test", logs))
 
     def _logs(self, per_replica_logs, uneven: bool):
         """Logs of a compiled step are aggregated in it; eager ones (also those of an
@@ -478,19 +462,3 @@ def _assign(variables, values):
             variable.plain_write("assign", value)
         else:
             variable.assign(value)
-
-
-def _counted_by_share(model, share):
-    """Within, the replica's gradients count by ``share`` (its rows of the global batch).
-
-    Keras's own JAX ``train_step`` differentiates ``optimizer.scale_loss(loss)``
-    and reports the unscaled loss: the loss is scaled there, before the
-    gradient, as TF's losses divide by the global batch (with float16, smaller
-    gradients overflow less). A custom ``train_step`` may never call
-    ``scale_loss``: its gradients are scaled as the optimizer receives them.
-    """
-    optimizer = model.optimizer
-    if overrides_step(model, "train"):
-        return gradient_share(share)
-    original = type(optimizer).scale_loss.__get__(optimizer)
-    return replaced_methods(optimizer, {"scale_loss": lambda loss: original(loss) * share})

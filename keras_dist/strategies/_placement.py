@@ -114,6 +114,18 @@ class Placement:
             return value
         return self.put(value, self.replicated)
 
+    def replicate_all(self, values: list) -> list:
+        """``values`` each replicated on every replica's device (one batched transfer)."""
+        if self.spans_processes:
+            return [self.replicate(v) for v in values]
+        return jax.device_put(list(values), self.replicated)
+
+    def put_local_rows_all(self, stacked: list) -> list:
+        """``put_local_rows`` of each of ``stacked`` (one batched transfer on one process)."""
+        if self.spans_processes:
+            return [self.put_local_rows(x) for x in stacked]
+        return jax.device_put(list(stacked), self.split)
+
     def put_local_rows(self, stacked):
         """This process's ``(local_replicas, ...)`` rows as a global stacked array."""
         if not self.spans_processes:

@@ -386,8 +386,13 @@ STATEFUL_METRICS = (
 )
 
 
-def test_metrics_are_aggregated_exactly_with_a_partial_last_batch():
-    # 70 rows in batches of 16: the last batch (6 rows) splits 2, 2, 1, 1.
+@pytest.mark.parametrize("one_program", [True, False], ids=["one_program", "per_replica"])
+def test_metrics_are_aggregated_exactly_with_a_partial_last_batch(one_program, monkeypatch):
+    # 70 rows in batches of 16: the last batch (6 rows) splits 2, 2, 1, 1. On CPU it runs
+    # as one program of every replica; on accelerators as one program per replica shape.
+    from keras_dist._keras_steps import _steps
+
+    monkeypatch.setattr(_steps, "uneven_in_one_program", lambda extended: one_program)
     x, y = _classifier_data(70)
     weights = _initial_weights()
     results = []
