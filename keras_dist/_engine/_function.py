@@ -28,6 +28,7 @@ import numpy as np
 
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._capabilities import RemoteScheduling
 from keras_dist._context import InputReadInTrace
 from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
@@ -36,6 +37,9 @@ from keras_dist._engine._function_key import static_key
 from keras_dist._engine._function_placement import ProgramPlacement
 from keras_dist._engine._function_placement import for_trace
 from keras_dist._engine._function_placement import on_first_device
+from keras_dist._engine._function_state import holding as _holding
+from keras_dist._engine._function_state import state_access as _state_access
+from keras_dist._engine._function_state import state_value as _state_value
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
@@ -54,13 +58,19 @@ from keras_dist._values import PerReplica
 from keras_dist._values._local_results import LocalResults
 from keras_dist._values._local_results import local_only
 from keras_dist._values._variables import DistributedVariable
-from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.config import _switches as _config
 
 _MAX_TRACES = 6
+
+
 # What stops a trace of the whole function; the function then runs its Python.
+class OnParameterServers(Exception):
+    """A ``kd.function`` uses variables held by parameter servers: no program holds them."""
+
+
 _RUNS_AS_PYTHON = (
     InputReadInTrace,
+    OnParameterServers,
     jax.errors.ConcretizationTypeError,  # `if x > 0:` on an input
     jax.errors.TracerIntegerConversionError,  # `range(steps)` of an input
 )
@@ -138,54 +148,30 @@ class _BoundFunction:
     def __call__(self, *args, **kwargs):
         return self._function(self._instance, *args, **kwargs)
 
+    def __reduce__(self):
+        # Pickled as its Python function (its programs stay here): a parameter-server
+        # coordinator ships the functions it schedules, ``dataset_fn``s included.
+        return _function_of, (self.python_function, self._options)
+
     def experimental_get_tracing_count(self) -> int:
         """How many programs this method has built for this instance."""
         return self._function.experimental_get_tracing_count()
 
 
-def _state_access(variable, extendeds):
-    """``(read, write)`` of ``variable`` as program state (unbound: the program holds it weakly)."""
-    if isinstance(variable, SyncOnReadVariable):
-        return (lambda v: v.stored()), (lambda v, value: v.store(value))
-    if isinstance(variable, DistributedVariable):
-        extended = variable.distribute_strategy.extended
-        return extended.compute_value, extended.store_computed
-    return functools.partial(_state_value, extendeds=extendeds), _store_state
+def _scheduled_on_workers() -> bool:
+    # Under a parameter-server strategy the coordinator compiles what it schedules
+    # (``coordinator.schedule``), and a function on the coordinator runs as Python.
+    return isinstance(_context.get_strategy().extended, RemoteScheduling)
 
 
-def _holding(variable):
-    """How to read the array ``variable`` holds as it is (unbound, like ``_state_access``).
-
-    A distributed variable's stored array (a SyncOnRead one: its stacked
-    components); a Keras variable's value (a cast copy under autocast: never the same).
-    """
-    if isinstance(variable, DistributedVariable):
-        return type(variable).stored
-    return _keras_value
+def _on_parameter_servers(variable) -> bool:
+    return isinstance(variable, DistributedVariable) and isinstance(
+        variable.distribute_strategy.extended, RemoteScheduling
+    )
 
 
-def _keras_value(variable):
-    return variable.value
-
-
-def _state_value(variable, extendeds):
-    if isinstance(variable, SyncOnReadVariable):
-        return variable.stored()
-    if isinstance(variable, DistributedVariable):
-        return variable.distribute_strategy.extended.compute_value(variable)
-    value = variable.value
-    if extendeds and isinstance(extendeds[0], MeshRuntime):
-        return extendeds[0].placement.replicate(value)  # beside the strategy's arrays
-    return value
-
-
-def _store_state(variable, value):
-    if isinstance(variable, SyncOnReadVariable):
-        variable.store(value)
-    elif isinstance(variable, DistributedVariable):
-        variable.distribute_strategy.extended.store_computed(variable, value)
-    else:
-        KerasVariable.assign(variable, value)
+def _function_of(python_function, options):
+    return Function(python_function, **options)
 
 
 def _versions(extendeds) -> tuple:
@@ -287,6 +273,11 @@ class Function:
             self._bound[instance] = function
         return _BoundFunction(function, instance)
 
+    def __reduce__(self):
+        # Pickled as its Python function (its programs stay here): a parameter-server
+        # coordinator ships the functions it schedules, ``dataset_fn``s included.
+        return _function_of, (self.python_function, self._options)
+
     def experimental_get_tracing_count(self) -> int:
         """How many programs this function has built (one per input signature)."""
         return self._tracing_count
@@ -294,7 +285,7 @@ class Function:
     def __call__(self, *args, **kwargs):
         inside = _context.current_function_trace() is not None
         inside = inside or _context.current_frame().engine is not None  # in a replica's run
-        if inside or _config.functions_run_eagerly():
+        if inside or _config.functions_run_eagerly() or _scheduled_on_workers():
             return self.python_function(*args, **kwargs)  # already traced: inline
         if self._runs_as_python:
             return self._run_python(args, kwargs)
@@ -360,6 +351,8 @@ class Function:
         state = [v for v in (r() for r in self._state) if v is not None]
         for _ in range(_MAX_TRACES):
             trace = FunctionTrace(state)
+            if any(_on_parameter_servers(v) for v in state):
+                raise OnParameterServers()  # (runs as Python, as on the coordinator in TF)
             values = [_state_value(v, trace.extendeds) for v in state]
             shardings = [getattr(x, "sharding", None) for x in values]
             traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)

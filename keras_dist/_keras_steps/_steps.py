@@ -81,7 +81,25 @@ def model_strategy(model):
                 "inside `with strategy.scope():`. Received: variables outside the scope="
                 f"{len(plain)}"
             )
+        _check_optimizer_in_scope(model, strategy)
     return strategy
+
+
+def _check_optimizer_in_scope(model, strategy) -> None:
+    # Keras makes an optimizer's step counter (and learning rate) when it is created:
+    # one created outside the scope would count nothing under the strategy (TF refuses it).
+    optimizer = getattr(model, "optimizer", None)
+    variables = getattr(optimizer, "variables", None) or []
+    plain = [v.path for v in variables if not isinstance(v, DistributedVariable)]
+    if plain:
+        raise ValueError(
+            f"The model's optimizer was created outside `{strategy!r}.scope()`: its "
+            f"variables {plain[:3]} are not distributed, and its step counter would not "
+            "count the steps. Create the optimizer inside `with strategy.scope():`, e.g. "
+            "call `model.compile(optimizer=keras.optimizers.Adam(...), ...)` there. "
+            f"Received: optimizer={type(optimizer).__name__} with {len(plain)} variables "
+            "outside the scope"
+        )
 
 
 def check_fit_context(model):

@@ -242,3 +242,44 @@ def test_steps_per_execution_on_two_workers_counts_every_step_from_a_dataset_cre
     assert scheduled.count == 5 * 3  # each worker reads 4 batches of its own a function
     assert int(model.optimizer.iterations.numpy()) == 5 * 12
     assert history.history["loss"][-1] < 0.1 * history.history["loss"][0]
+
+
+def test_an_optimizer_created_outside_the_scope_is_refused_not_left_uncounted():
+    # Keras makes the step counter with the optimizer: made outside the scope it lived on
+    # the coordinator only, and fit (or a scheduled custom step) trained with Adam's bias
+    # correction stuck at step 0, silently. TF refuses it; so does keras_dist, by name.
+    x, y = _data(64)
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=1, num_ps=1)
+    )
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.Adam(0.1)
+    model.compile(optimizer, "mse")
+    with pytest.raises(ValueError, match="optimizer was created outside .*adam/iteration"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+    optimizer.build(model.trainable_variables)
+    coordinator = kd.coordinator.ClusterCoordinator(strategy)
+
+    def step():
+        def replica_fn():
+            loss_fn = lambda: keras.ops.mean((model(x) - y) ** 2)  # noqa: E731
+            _, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+        strategy.run(replica_fn)
+
+    with pytest.raises(ValueError, match="created outside `strategy.scope\\(\\)` and is written"):
+        coordinator.schedule(step)
+        coordinator.join()
+
+
+def test_an_optimizer_created_outside_a_mirrored_scope_is_refused_by_name():
+    x, y = _data(64)
+    strategy = kd.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(0.1), "mse")
+    with pytest.raises(ValueError, match="optimizer was created outside"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)

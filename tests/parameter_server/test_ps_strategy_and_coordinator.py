@@ -721,3 +721,44 @@ def test_closures_sent_together_fail_one_by_one():
         with pytest.raises(errors.CancelledError):
             value.fetch()
     coordinator.join()  # cleared
+
+
+def test_the_tutorials_kd_function_steps_schedule_and_run_on_the_coordinator(two_workers):
+    # TF's parameter-server tutorial decorates step_fn and per_worker_dataset_fn with
+    # @tf.function; ported as @kd.function they are scheduled (and shipped) as functions.
+    strategy = kd.ParameterServerStrategy(two_workers)
+    coordinator = ClusterCoordinator(strategy)
+    try:
+        with strategy.scope():
+            v = keras.Variable(np.ones((2,), "float32"), aggregation="sum")
+
+        def dataset_fn(context):
+            while True:
+                yield np.full((4, 2), 3.0, "float32")
+
+        @kd.function
+        def per_worker_dataset_fn():
+            return strategy.distribute_datasets_from_function(dataset_fn)
+
+        iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+
+        @kd.function
+        def step(iterator):
+            def replica_fn(x):
+                v.assign_add(x[0])
+                return keras.ops.sum(x)
+
+            return strategy.reduce("SUM", strategy.run(replica_fn, args=(next(iterator),)), None)
+
+        results = [coordinator.schedule(step, args=(iterator,)) for _ in range(3)]
+        coordinator.join()
+        assert [float(r.fetch()) for r in results] == [24.0] * 3
+        np.testing.assert_array_equal(v.numpy(), [10.0, 10.0])
+
+        @kd.function
+        def read():
+            return strategy.run(lambda: v * 2.0)
+
+        np.testing.assert_array_equal(np.asarray(read()), [20.0, 20.0])  # on the coordinator
+    finally:
+        coordinator.stop()

@@ -32,6 +32,7 @@ import numpy as np
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._keras import routing_gradients
+from keras_dist._keras import variable_has_value
 from keras_dist.parameter_server.rpc import _protocol as protocol
 from keras_dist.parameter_server.scheduling._per_worker import PerWorkerIterator
 from keras_dist.parameter_server.scheduling._per_worker import PerWorkerValues
@@ -266,6 +267,7 @@ class ProgramCache:
                 router.start()
                 with scope, tracing(trace), routing_gradients(router), strategy.scope():
                     out = fn(*args, **kwargs)
+                _refuse_unshared_writes(scope, variables)
                 out_leaves, out_tree = jax.tree_util.tree_flatten(out)
                 writes, payloads = [], []
                 for n, v in enumerate(used_variables):
@@ -360,3 +362,22 @@ def _element_struct(shape, dtype, batch_size=None):
 def _platforms() -> tuple:
     platform = jax.default_backend()
     return (platform,) if platform == "cpu" else (platform, "cpu")
+
+
+def _refuse_unshared_writes(scope, variables) -> None:
+    """A scheduled function may write only the strategy's variables (the ps tasks hold them).
+
+    A variable created outside ``strategy.scope()`` (an optimizer made before it:
+    its step counter) lives on the coordinator only; a worker's write to it would
+    be lost without a word. TF refuses such a variable too.
+    """
+    shared = {id(v) for v in variables}
+    strays = [v for v in scope.assigned.values() if id(v) not in shared and variable_has_value(v)]
+    if strays:
+        raise ValueError(
+            f"Variable {strays[0].path!r} was created outside `strategy.scope()` and is "
+            "written by a scheduled function: the workers cannot update it (the ps tasks "
+            "hold the strategy's variables), so its updates would be lost. Create it, and "
+            "the optimizer whose step counter it may be, inside `with strategy.scope():`. "
+            f"Received: {len(strays)} such variables, e.g. {strays[0]!r}"
+        )
