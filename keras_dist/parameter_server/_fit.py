@@ -110,6 +110,14 @@ class ParameterServerSteps:
 
     def predict_function(self, state, iterator):
         batches = tuple(self._batches(iterator))
+        if any(_from_workers(b) for b in batches):
+            raise ValueError(
+                "`model.predict` under ParameterServerStrategy takes data read here (arrays, "
+                "a dataset or a generator), not a `DatasetCreator`: batches read on the "
+                "workers would come back in no defined order, so the predictions could not "
+                "be matched to their inputs. Pass the inputs to predict instead. Received: "
+                "a DatasetCreator"
+            )
         outputs = self.coordinator.schedule(self._predict_steps, args=(batches,)).fetch()
         if len(outputs) == 1:
             return outputs[0], state

@@ -197,6 +197,9 @@ def test_dataset_creator_is_read_on_the_workers():
     assert len(history.history["val_loss"]) == 10
     # The coordinator only looked at the structure (the workers got copies of dataset_fn).
     assert set(built_for) == {0}
+    # Predictions of batches read on the workers could not be matched to their inputs.
+    with pytest.raises(ValueError, match="not a `DatasetCreator`"):
+        model.predict(creator, steps=2, verbose=0)
 
 
 class _CountSchedules:
