@@ -259,7 +259,7 @@ def test_an_optimizer_created_outside_the_scope_is_refused_not_left_uncounted():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
     optimizer = keras.optimizers.Adam(0.1)
     model.compile(optimizer, "mse")
-    with pytest.raises(ValueError, match="optimizer was created outside .*adam/iteration"):
+    with pytest.raises(ValueError, match=r"optimizer was created outside .*adam(_\d+)?/iteration"):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
     optimizer.build(model.trainable_variables)
