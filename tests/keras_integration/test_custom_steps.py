@@ -106,19 +106,26 @@ def _data(rows):
     return x, (x @ rng.normal(size=(5, 1))).astype("float32")
 
 
-@pytest.mark.parametrize("cls", [GuideModel, TrackerModel], ids=["compiled_loss", "own_tracker"])
-def test_a_custom_jax_train_step_trains_and_reports_as_one_device(cls):
-    x, y = _data(64)
+def _fit_as_one_device(cls, rows, epochs):
+    """``cls`` fitted on 4 replicas and on one device from the same start: the weights
+    must agree; returns the two Histories' dicts."""
+    x, y = _data(rows)
     ours, plain = _build(cls, kd.MirroredStrategy(cpus(4))), _build(cls, None)
     histories = [
-        m.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0).history
+        m.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0).history
         for m in (ours, plain)
     ]
+    for a, b in zip(ours.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    return histories
+
+
+@pytest.mark.parametrize("cls", [GuideModel, TrackerModel], ids=["compiled_loss", "own_tracker"])
+def test_a_custom_jax_train_step_trains_and_reports_as_one_device(cls):
+    histories = _fit_as_one_device(cls, rows=64, epochs=3)
     assert set(histories[0]) == set(histories[1]) == {"loss", "mae"}
     for key in histories[1]:
         np.testing.assert_allclose(histories[0][key], histories[1][key], rtol=1e-5)
-    for a, b in zip(ours.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert histories[1]["loss"][-1] < histories[1]["loss"][0]  # it did train
 
 
@@ -134,14 +141,7 @@ def test_a_custom_jax_test_step_evaluates_as_one_device():
 def test_a_custom_train_step_with_a_partial_last_batch_updates_as_one_device():
     # 50 rows in batches of 16: the last batch's 2 rows go to two of the four replicas,
     # each counting as 1/2 of that batch's gradient.
-    x, y = _data(50)
-    ours, plain = _build(GuideModel, kd.MirroredStrategy(cpus(4))), _build(GuideModel, None)
-    histories = [
-        m.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-        for m in (ours, plain)
-    ]
-    for a, b in zip(ours.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    histories = _fit_as_one_device(GuideModel, rows=50, epochs=2)
     # A metric of rows (MAE) sums every replica's rows. (The loss tracker is a mean of
     # each step's loss: every replica adds its own, so a step whose rows are spread
     # unevenly is weighted differently than on one device, as under TF.)
@@ -157,13 +157,6 @@ class SuperModel(keras.Model):
 
 
 def test_a_custom_step_calling_keras_own_counts_the_gradients_once():
-    x, y = _data(64)
-    ours, plain = _build(SuperModel, kd.MirroredStrategy(cpus(4))), _build(SuperModel, None)
-    histories = [
-        m.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
-        for m in (ours, plain)
-    ]
-    for a, b in zip(ours.get_weights(), plain.get_weights()):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    histories = _fit_as_one_device(SuperModel, rows=64, epochs=2)
     for key in ("loss", "mae", "twice_loss"):
         np.testing.assert_allclose(histories[0][key], histories[1][key], rtol=1e-5)

@@ -17,13 +17,20 @@ def _donated_arguments(entry) -> int:
     return main.count("jax.buffer_donor = true") + main.count("tf.aliasing_output")
 
 
+def _read_written_unused(strategy):
+    """Three variables of ``strategy``: one a step reads, one it writes, one it ignores."""
+    with strategy.scope():
+        return (
+            keras.Variable(np.arange(3, dtype="float32")),
+            keras.Variable(np.zeros(3, "float32")),
+            keras.Variable(np.zeros(5, "float32")),
+        )
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_only_written_variables_are_donated_and_unused_ones_are_not_taken(devices):
     strategy = kd.MirroredStrategy(cpus(devices))
-    with strategy.scope():
-        read = keras.Variable(np.arange(3, dtype="float32"))
-        written = keras.Variable(np.zeros(3, "float32"))
-        unused = keras.Variable(np.zeros(5, "float32"))
+    read, written, unused = _read_written_unused(strategy)
 
     def step():
         written.assign_add(read.value)
@@ -128,10 +135,8 @@ def test_predict_and_evaluate_after_fit_leave_weights_and_slots_in_place(replica
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_kd_function_gives_back_only_the_variables_it_writes(devices):
     strategy = kd.MirroredStrategy(cpus(devices))
+    read, written, unused = _read_written_unused(strategy)
     with strategy.scope():
-        read = keras.Variable(np.arange(3, dtype="float32"))
-        written = keras.Variable(np.zeros(3, "float32"))
-        unused = keras.Variable(np.zeros(5, "float32"))
         metric = keras.metrics.Sum()  # a SyncOnRead variable, written in the replicas
 
     def replica_step():
