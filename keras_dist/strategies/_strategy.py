@@ -114,7 +114,7 @@ class Strategy(DistributionStrategy):
         reduce_op = ReduceOp.from_value(reduce_op)
         require_cross_replica("reduce")
         value = _without_tensorflow_values(value)
-        if _is_nest(value):
+        if _is_nest(value) and _is_nest_of_distributed(value):
             # ``run``'s results as they come (a tuple or dict of per-replica values):
             # TF reduces each element.
             if axis is not None:
@@ -279,7 +279,7 @@ def _per_replica_rank(value):
 
 
 def _is_nest(value) -> bool:
-    """A tuple, list or dict (of values to reduce one by one), not one distributed value."""
+    """A tuple, list or dict, not one distributed value (a list of numbers is an array)."""
     return isinstance(value, (tuple, list, dict)) and not isinstance(value, DistributedValues)
 
 

@@ -286,3 +286,7 @@ def test_reduce_of_a_nest_reduces_each_element_as_tf(engine):
     assert [float(v) for v in step(batch)] == [28.0, 16.0]
     with pytest.raises(ValueError, match="reduce each element"):
         strategy.reduce("SUM", out, axis=0)
+    # A list of numbers is still one (non-distributed) array, as before.
+    np.testing.assert_array_equal(
+        np.asarray(strategy.reduce("MEAN", [1.0, 2.0], axis=None)), [1, 2]
+    )
