@@ -43,7 +43,8 @@ class EndOfInput(errors.OutOfRangeError, StopIteration):
 
 
 class DistributedIterator:
-    """Iterates a ``DistributedDataset``: each element is a nest of ``PerReplica`` values.
+    """Iterates a ``DistributedDataset``: each element is a nest of ``PerReplica`` values
+    (with one replica in sync, of the batches themselves, as in TF).
 
     Call it in cross-replica context and pass the element to ``strategy.run``.
 
