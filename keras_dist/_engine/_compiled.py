@@ -101,6 +101,7 @@ class _Entry:
         # Every threaded variable, mirrored ones first, then SyncOnRead, then foreign;
         # within each, the written ones first (``StateLayout``).
         self.layout = layout = record.layout
+        self._written = layout.written(0)  # the mirrored variables that come back
         mirrored, sync_on_read = layout.ordered(0, mirrored), layout.ordered(1, sync_on_read)
         self._refs = [weakref.ref(v) for v in (*mirrored, *sync_on_read, *foreign)]
         self._bounds = (len(mirrored), len(mirrored) + len(sync_on_read))
@@ -122,7 +123,7 @@ class _Entry:
         extended = self.extended
         mirrored_variables, sync_on_read_variables, foreign_variables = self._variables()
         mirrored = [v.stored() for v in mirrored_variables]
-        written = self.layout.written(0)
+        written = self._written
         if not self._stored.unchanged(mirrored):
             mirrored = [extended.compute_value(v) for v in mirrored_variables]
             copy_shared_storage(mirrored_variables, mirrored)

@@ -149,9 +149,8 @@ class _BoundFunction:
         return self._function(self._instance, *args, **kwargs)
 
     def __reduce__(self):
-        # Pickled as its Python function (its programs stay here): a parameter-server
-        # coordinator ships the functions it schedules, ``dataset_fn``s included.
-        return _function_of, (self.python_function, self._options)
+        # As a bound method pickles: its instance and the method's name.
+        return getattr, (self._instance, self._function.python_function.__name__)
 
     def experimental_get_tracing_count(self) -> int:
         """How many programs this method has built for this instance."""

@@ -153,8 +153,8 @@ def _run_loop(self, original, training, quiet, args, kwargs):
     if strategy is None:
         training.check_fit_context(self)
         return original(self, *args, **kwargs)
-    # One loop at a time per strategy: its steps donate every variable of
-    # the strategy, so another thread's step would delete this one's buffers.
+    # One loop at a time per strategy: its steps donate the variables they
+    # write, so another thread's step would delete this one's buffers.
     with strategy.extended.lock:
         if original.__name__ == "fit":
             # Keras shuffles with NumPy's global generator: across processes

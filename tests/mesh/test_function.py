@@ -359,3 +359,24 @@ def test_an_argument_the_function_never_reads_is_accepted(make_strategy):
     one = np.ones(3, "float32")
     doubled = first(jax.device_put(one), jax.device_put(one))
     np.testing.assert_array_equal(np.asarray(doubled), 2 * one)
+
+
+class _Doubler:
+    @kd.function
+    def double(self, x):
+        return x * 2
+
+
+def _halve(x):
+    return x / 2
+
+
+def test_a_function_and_a_method_pickle_as_their_python():
+    # A parameter-server coordinator ships what it schedules; programs stay behind.
+    import pickle
+
+    halve = kd.function(_halve)
+    halve(jnp.ones(2))  # a program built: it is not what is pickled
+    assert float(pickle.loads(pickle.dumps(halve))(4.0)) == 2.0
+    doubler = _Doubler()
+    assert float(pickle.loads(pickle.dumps(doubler.double))(3.0)) == 6.0
