@@ -334,13 +334,18 @@ def test_build_fit_delete_rounds_keep_every_process_flat(cluster):
             sizes.append({key: _rss_mib(pid) for key, pid in pids.items()})
             threads = threading.active_count()
         for key in pids:
-            # Compiling and the allocator's pools settle within ~15 rounds; after
-            # that little grows (the leaks were 90 and 22 MiB over 10 rounds). Three
-            # rounds against three, 10 rounds apart: one round's RSS jumps by itself.
-            growth = statistics.mean(s[key] for s in sizes[-3:]) - statistics.mean(
-                s[key] for s in sizes[-13:-10]
-            )
-            assert growth < 15, {k: [round(s[k]) for s in sizes] for k in pids}
+            # Compiling and the allocator's pools settle within ~10 rounds; after that
+            # little grows (the leaks were 90 and 22 MiB over 10 rounds). A leak grows
+            # in every stretch of rounds; the allocator's pools, on a loaded machine,
+            # jump once in a while and stay: the smaller of two 10-round stretches.
+            def growth(first, last):
+                return statistics.mean(s[key] for s in sizes[last - 2 : last + 1]) - (
+                    statistics.mean(s[key] for s in sizes[first - 2 : first + 1])
+                )
+
+            assert min(growth(9, 19), growth(19, 29)) < 15, {
+                k: [round(s[k]) for s in sizes] for k in pids
+            }
         assert threading.active_count() == threads
 
 
