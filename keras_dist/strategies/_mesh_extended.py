@@ -385,8 +385,23 @@ class MeshExtended(StrategyExtended, MeshRuntime):
         if isinstance(value, PerReplica) and isinstance(value.stacked, jax.core.Tracer):
             return jnp.concatenate(list(value.values), axis=axis)
         if not isinstance(value, DistributedValues):
-            value = Mirrored((value,) * self.num_local_replicas, _validate=False)
+            return self._gather_plain(value, axis)
         return _mesh_reductions.gather(self._placement, value.values, axis)
+
+    def _gather_plain(self, value, axis):
+        """A value that is not distributed is one component per process, as in TF.
+
+        One process gives it back unchanged (not once per replica); several give
+        their values concatenated in process order.
+        """
+        value = jnp.asarray(value)
+        if not self.spans_processes:
+            return value
+        if isinstance(value, jax.core.Tracer):  # one program: the same value everywhere
+            return jnp.concatenate([value] * jax.process_count(), axis=axis)
+        nothing = jax.lax.slice_in_dim(value, 0, 0, axis=axis)
+        components = [value] + [nothing] * (self.num_local_replicas - 1)
+        return _mesh_reductions.gather(self._placement, components, axis)
 
     def distribute_values_from_function(self, value_fn):
         n = self.num_replicas_in_sync

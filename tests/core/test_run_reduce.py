@@ -262,6 +262,22 @@ def test_gather_keeps_replica_order(engine, n):
     )
 
 
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_gather_of_a_plain_value_gives_it_back_as_tf(engine, n):
+    # TF 2.21 MirroredStrategy(2): gather(constant([[1., 2.]]), axis=0 or 1) is
+    # [[1., 2.]], eagerly and in a tf.function: one component, not one per replica.
+    strategy = kd.MirroredStrategy(cpus(n))
+    value = np.array([[1.0, 2.0]], "float32")
+
+    @kd.function
+    def gathered_in_function():
+        return strategy.gather(value, axis=1)
+
+    for axis in (0, 1):
+        np.testing.assert_array_equal(strategy.gather(value, axis=axis), value)
+    np.testing.assert_array_equal(gathered_in_function(), value)
+
+
 def test_gather_one_device(engine):
     strategy = kd.OneDeviceStrategy("/cpu:0")
     value = strategy.run(lambda: jnp.array([1, 2, 3]))

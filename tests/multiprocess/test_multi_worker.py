@@ -71,6 +71,9 @@ def _collectives_worker():
         "gather": np.asarray(
             strategy.gather(strategy.run(lambda: jnp.full((2,), ids_of_replica())), axis=0)
         ).tolist(),
+        "gather_host": np.asarray(
+            strategy.gather(np.array([strategy.cluster_resolver.task_id]), axis=0)
+        ).tolist(),
     }
 
 
@@ -90,6 +93,7 @@ def test_reduce_run_and_gather_on_two_workers_match_tf():
         # Replica ids are int32: across workers MEAN divides as integers, as TF does.
         assert result["sum_ids"] == 1.0 and result["mean_ids"] == 0.0
         assert result["gather"] == [0, 0, 1, 1]
+        assert result["gather_host"] == [0, 1]  # a host value is each worker's own
         assert result["all_reduce"] == [2.0]  # 2 * (0 + 1)
     assert (chief["task"], worker["task"]) == (("worker", 0), ("worker", 1))
     assert (chief["ids"], worker["ids"]) == ([0], [1])
@@ -936,13 +940,18 @@ def _local_results_in_function_worker():
         return {"local": strategy.experimental_local_results(strategy.run(replica_id))}
 
     eager = strategy.experimental_local_results(strategy.run(replica_id))
-    return [float(x) for x in step()["local"]], [float(x) for x in eager]
+    # A value that is not distributed is one component per worker (TF's
+    # ``_make_tensor_into_per_replica``), however many devices the worker has.
+    task = strategy.cluster_resolver.task_id
+    plain = np.asarray(strategy.gather(np.array([[task, 7]]), axis=0)).tolist()
+    return [float(x) for x in step()["local"]], [float(x) for x in eager], plain
 
 
 def test_local_results_inside_kd_function_are_this_workers():
     # Before: each worker got all 4 replicas' components back from the function.
-    (compiled_0, eager_0), (compiled_1, eager_1) = _launch(
+    (compiled_0, eager_0, plain_0), (compiled_1, eager_1, plain_1) = _launch(
         _local_results_in_function_worker, devices=2
     )
     assert compiled_0 == eager_0 == [0.0, 1.0]
     assert compiled_1 == eager_1 == [2.0, 3.0]
+    assert plain_0 == plain_1 == [[0, 7], [1, 7]]
