@@ -49,6 +49,7 @@ from jax._src import xla_bridge
 
 from keras_dist._process_exit import install_exit_wait
 from keras_dist._process_exit import leave_now
+from keras_dist._roll_call import roll_call
 from keras_dist.errors import DeadlineExceededError
 from keras_dist.errors import UnavailableError
 
@@ -69,13 +70,17 @@ def initialize(
     *,
     timeout_seconds,
     collectives,
-    coordinator_task=None,
+    task_names=None,
+    cluster="",
 ):
     """Starts ``jax.distributed`` for this process, or checks the running one matches.
 
-    ``coordinator_task`` names the task that hosts the coordinator (``"worker 0"``), for
-    the error raised when its port is taken.
+    ``task_names`` are the tasks' names in process order (``"worker 0"``: process 0
+    hosts the coordinator), for the errors. Every process first reports in at the
+    coordinator's port with ``cluster`` (``_roll_call``): a missing task, or one
+    given another cluster, is an error naming it, not JAX's silent wait and abort.
     """
+    coordinator_task = task_names[0] if task_names else None
     state = distributed.global_state
     if state.client is not None:
         if (state.num_processes, state.process_id) != (num_processes, process_id):
@@ -98,6 +103,7 @@ def initialize(
     if process_id == 0:
         # JAX starts the coordination service in process 0.
         check_coordinator_port(coordinator_address, coordinator_task)
+    roll_call(coordinator_address, num_processes, process_id, cluster, timeout_seconds, task_names)
     if collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", collectives)
     sigterm_before = _sigaction(signal.SIGTERM)

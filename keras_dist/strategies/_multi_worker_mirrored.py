@@ -8,6 +8,7 @@ own rows of the global arrays.
 """
 
 import enum
+import json
 import logging
 import numbers
 import warnings
@@ -195,6 +196,11 @@ class _ProcessLayout:
             coordinator = spec.task_address(job, 0)
         self.coordinator = coordinator
 
+    def collective_jobs(self) -> str:
+        """The chief and worker jobs as JSON: what every worker must have been given alike."""
+        spec = self.cluster_spec.as_dict()
+        return json.dumps({job: spec[job] for job in ("chief", "worker") if job in spec})
+
     @property
     def role(self) -> ProcessRole:
         """This process's role (who is the chief is decided in ``cluster_resolver``)."""
@@ -234,7 +240,8 @@ class MultiWorkerExtended(MeshExtended):
                 # JAX picks NCCL between GPUs itself; CPU processes need gloo.
                 collectives="gloo",
                 # Process 0 hosts the coordinator: the chief, else worker 0.
-                coordinator_task=layout.task_names()[0],
+                task_names=layout.task_names(),
+                cluster=layout.collective_jobs(),
             )
         local = tuple(jax.local_devices())
         everyone = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
@@ -270,6 +277,11 @@ class MultiWorkerExtended(MeshExtended):
     @property
     def worker_index(self) -> int:
         return self._layout.process_id
+
+    def collective_jobs(self) -> str:
+        """The chief and worker jobs as JSON: what every worker must have been given alike."""
+        spec = self.cluster_spec.as_dict()
+        return json.dumps({job: spec[job] for job in ("chief", "worker") if job in spec})
 
     @property
     def role(self) -> ProcessRole:

@@ -1,0 +1,167 @@
+"""Before JAX starts, every worker reports in at the coordinator's port (``_roll_call``).
+
+Without it, a task that never starts made JAX wait out the whole timeout in silence and
+then abort every process from C++ (exit status 134, "another task died"); two tasks
+given different clusters or the same index failed later in gloo, or hung. The roll call
+itself is tested here on threads; one test runs a real worker alone through
+``MultiWorkerMirroredStrategy``.
+"""
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import keras_dist as kd
+from keras_dist import _roll_call
+from keras_dist._roll_call import roll_call
+
+NAMES = ["worker 0", "worker 1", "worker 2"]
+
+
+def _address():
+    return f"127.0.0.1:{kd.testing.pick_unused_port()}"
+
+
+class _Task(threading.Thread):
+    """One process's roll call on a thread: what it raised, if anything."""
+
+    def __init__(self, address, process_id, cluster="spec", num_processes=2, timeout=20):
+        super().__init__(daemon=True)
+        self.args_ = (address, num_processes, process_id, cluster, timeout, NAMES)
+        self.error = None
+        self.start()
+
+    def run(self):
+        try:
+            roll_call(*self.args_)
+        except Exception as error:  # noqa: BLE001 - the test looks at it
+            self.error = error
+
+    def result(self):
+        self.join(30)
+        assert not self.is_alive(), "the roll call did not return"
+        return self.error
+
+
+def test_everyone_present_in_any_order():
+    address = _address()
+    late_coordinator = [_Task(address, i, num_processes=3) for i in (2, 1)]
+    time.sleep(0.5)  # the others knock on a closed port first, and ask again
+    assert _Task(address, 0, num_processes=3).result() is None
+    assert [t.result() for t in late_coordinator] == [None, None]
+    # The port is free again for JAX's coordination service (no TIME_WAIT held by us).
+    host, port = address.split(":")
+    with socket.socket() as probe:
+        probe.bind((host, int(port)))
+
+
+def test_a_missing_task_is_named_after_the_timeout(caplog, monkeypatch):
+    monkeypatch.setattr(_roll_call, "LOG_EVERY", 0.5)
+    address = _address()
+    present = _Task(address, 1, num_processes=3, timeout=3)
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, "keras_dist"):
+        with pytest.raises(kd.errors.UnavailableError, match="worker 2 did not join") as raised:
+            roll_call(address, 3, 0, "spec", 2, NAMES)
+    assert 1.9 < time.monotonic() - began < 10
+    assert raised.value.lost_tasks == ("worker 2",)
+    assert "Received: 2 of 3 tasks" in str(raised.value)
+    # While it waited, it said for whom.
+    assert "worker 0 waits for worker 2 to join the cluster" in caplog.text
+    # The one that came in is not left hanging: it asks again until its own timeout.
+    error = present.result()
+    assert isinstance(error, kd.errors.UnavailableError), error
+
+
+def test_a_missing_coordinator_is_named_by_the_others():
+    address = _address()
+    began = time.monotonic()
+    with pytest.raises(kd.errors.UnavailableError, match="worker 0 .the coordinator") as raised:
+        roll_call(address, 2, 1, "spec", 2, NAMES)
+    assert 1.9 < time.monotonic() - began < 10
+    assert raised.value.lost_tasks == ("worker 0",)
+    assert address in str(raised.value)
+
+
+def test_another_cluster_is_refused_on_both_sides():
+    address = _address()
+    other = _Task(address, 1, cluster='{"worker": ["a:1", "c:3"]}')
+    with pytest.raises(ValueError, match="another cluster") as raised:
+        roll_call(address, 2, 0, '{"worker": ["a:1", "b:2"]}', 20, NAMES)
+    assert '"b:2"' in str(raised.value) and '"c:3"' in str(raised.value)
+    assert isinstance(other.result(), ValueError)
+    assert str(other.result()) == str(raised.value)
+
+
+def test_two_tasks_with_one_index_are_refused():
+    address = _address()
+    first = _Task(address, 1, num_processes=3)
+    time.sleep(0.3)
+    second = _Task(address, 1, num_processes=3)
+    with pytest.raises(ValueError, match="Two tasks reported in as worker 1"):
+        roll_call(address, 3, 0, "spec", 20, NAMES)
+    errors = [first.result(), second.result()]
+    assert all(isinstance(e, ValueError) for e in errors), errors
+
+
+def test_a_stranger_on_the_port_is_ignored():
+    address = _address()
+    coordinator = _Task(address, 0)
+    host, port = address.split(":")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            stranger = socket.create_connection((host, int(port)))
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    with stranger:
+        stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert _Task(address, 1).result() is None
+    assert coordinator.result() is None
+
+
+_ALONE = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [sys.argv[1], sys.argv[2]]},
+        "task": {"type": "worker", "index": 0},
+    })
+    import keras_dist as kd
+    options = kd.experimental.CommunicationOptions(timeout_seconds=3)
+    try:
+        kd.MultiWorkerMirroredStrategy(communication_options=options)
+    except kd.errors.UnavailableError as error:
+        print("raised", json.dumps(list(error.lost_tasks)), error, flush=True)
+        sys.exit(3)
+    """
+)
+
+
+def test_a_worker_alone_raises_naming_the_missing_one_instead_of_jaxs_abort(tmp_path):
+    script = tmp_path / "alone.py"
+    script.write_text(_ALONE)
+    addresses = [_address(), _address()]
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), *addresses],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = done.stdout + done.stderr
+    # Before: JAX's C++ abort (status 134) once its timeout passed, naming nobody.
+    assert done.returncode == 3, output
+    assert 'raised ["worker 1"] worker 1 did not join the cluster within 3 s' in output, output
+    assert time.monotonic() - began < 60
