@@ -405,7 +405,8 @@ class Function:
             trace.scope = scope
             with _context.function_trace(trace), scope:
                 outputs = self.python_function(*args, **kwargs)
-            arrays, self._out_record = _flatten_outputs(outputs)
+                # In the scope: a returned variable gives its value as the function left it.
+                arrays, self._out_record = _flatten_outputs(outputs)
             self._unchanged = [scope.state_mapping[id(v)] is x for v, x in zip(state, state_values)]
             # New values keep their variables' shardings: no resharding next step.
             new_state = [

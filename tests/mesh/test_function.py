@@ -380,3 +380,40 @@ def test_a_function_and_a_method_pickle_as_their_python():
     assert float(pickle.loads(pickle.dumps(halve))(4.0)) == 2.0
     doubler = _Doubler()
     assert float(pickle.loads(pickle.dumps(doubler.double))(3.0)) == 6.0
+
+
+@pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: kd.MirroredStrategy(cpus(4)), lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: None],
+    ids=["mirrored", "one_device", "default"],
+)
+def test_a_returned_variable_gives_its_value_as_the_function_left_it(make_strategy):
+    # The usual way to log the step or the loss scale from the step. Before, a compiled
+    # function returned the variable's value from when it was traced, on every call.
+    strategy = make_strategy() or kd.get_strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+        calls = keras.Variable(0.0)
+
+    def replica_fn(x):
+        loss, grads = kd.value_and_grad(
+            lambda: keras.ops.mean(model(x) ** 2), model.trainable_variables
+        )()
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    @kd.function
+    def step(x):
+        strategy.run(replica_fn, args=(x,))
+        calls.assign_add(1.0)
+        return {"iterations": optimizer.iterations, "calls": calls, "bias": model.layers[0].bias}
+
+    x = np.ones((8, 3), "float32")
+    for call in (1, 2, 3):
+        returned = step(x)
+        assert int(np.asarray(returned["iterations"])) == call
+        assert float(np.asarray(returned["calls"])) == float(call)
+        np.testing.assert_array_equal(
+            np.asarray(returned["bias"]), np.asarray(model.layers[0].bias)
+        )
