@@ -169,7 +169,8 @@ def _port_taken_message(coordinator_address, coordinator_task, target):
     return (
         f"The coordinator address {coordinator_address}{where} is already in use: a socket "
         f"of another program on this machine holds port {target[1]}.{bound} Stop that "
-        "process, or give this task a free port (in TF_CONFIG's cluster, or the cluster "
+        "process (it may be another task given this task's index), or give this task a "
+        "free port (in TF_CONFIG's cluster, or the cluster "
         "resolver's coordinator address); `kd.launch` and `keras-dist launch` pick free "
         "ports themselves."
     )

@@ -80,7 +80,8 @@ def _call_the_roll(host, port, num_processes, cluster, deadline, names, timeout)
                     raise UnavailableError(
                         f"{_listing(missing)} did not join the cluster within {timeout:g} s: "
                         f"{names[0]} (this process) waited at port {port}. Start "
-                        "every task of the cluster (each with its own index), or raise "
+                        "every task of the cluster, each with its own index (two tasks "
+                        "given one index leave another index missing), or raise "
                         "CommunicationOptions(timeout_seconds=...) if they start slowly. "
                         f"Received: {len(present) + 1} of {num_processes} tasks",
                         tuple(missing),
@@ -167,7 +168,8 @@ def _report_in(host, port, report, deadline, names, timeout, coordinator_address
             raise UnavailableError(
                 f"{names[0]} (the coordinator, at {coordinator_address}) did not answer "
                 f"within {timeout:g} s, so {names[report['process_id']]} (this process) "
-                "could not join the cluster. Start that task, check the address is "
+                "could not join the cluster. Start that task (each task with its own "
+                "index: two given one index leave another missing), check the address is "
                 "reachable from here, or raise CommunicationOptions(timeout_seconds=...)."
                 f" Received: no answer at {coordinator_address}",
                 (names[0],),

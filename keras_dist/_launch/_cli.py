@@ -148,6 +148,8 @@ def _launch(options: argparse.Namespace) -> int:
             devices_per_worker=kept_devices(
                 options.devices_per_worker, options.chief, num_workers, kept_workers
             ),
+            # A parameter-server job goes on without a failed worker, as TF's does.
+            survivable=("worker",) if options.ps else (),
             failure_grace=options.grace,
             log_dir=options.log_dir,
         )

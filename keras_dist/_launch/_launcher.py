@@ -97,6 +97,8 @@ def launch(
                 devices_per_worker, has_chief, num_workers, kept_workers
             ),
             stream_output=stream_output,
+            # A parameter-server job goes on without a failed worker, as TF's does.
+            survivable=("worker",) if num_ps else (),
             failure_grace=failure_grace,
         )
 

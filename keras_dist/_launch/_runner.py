@@ -58,6 +58,8 @@ class MultiProcessRunner:
             Every task's output is also kept: see ``logs``.
         dependence_on_chief: When the chief exits, stop the other tasks (after
             ``failure_grace``).
+        survivable: Task types the job goes on without while one of the type runs (a
+            parameter-server job's ``"worker"``): the failed task is ``"lost"``, no error.
         failure_grace: Seconds the other tasks get, after a task failed or the chief exited,
             to finish or to report their own error, before they are stopped.
         terminate_grace: Seconds between SIGTERM and SIGKILL when a task is stopped.
@@ -95,6 +97,7 @@ class MultiProcessRunner:
         max_restarts: int | None = None,
         stream_output: bool = True,
         dependence_on_chief: bool = True,
+        survivable: tuple = (),
         failure_grace: float = 30.0,
         terminate_grace: float = 10.0,
         log_dir: str | None = None,
@@ -116,6 +119,8 @@ class MultiProcessRunner:
         self._auto_restart = auto_restart
         self._max_restarts = max_restarts
         self._dependence_on_chief = dependence_on_chief
+        self._survivable = tuple(survivable)
+        self._stream_output = stream_output
         self._failure_grace = failure_grace
         self._terminate_grace = terminate_grace
         # Check the environment now rather than in start().
@@ -309,6 +314,7 @@ class MultiProcessRunner:
         slot.outcome = None
         slot.stopped = False
         slot.failed_at = None
+        slot.survived = False
 
     def _start_monitor(self) -> None:
         if self._monitor is None or not self._monitor.is_alive():
@@ -364,7 +370,20 @@ class MultiProcessRunner:
                 self._start(key)
                 continue
             slot.failed_at = now
+            if self._survives(key):
+                slot.survived = True
+                continue
             self._stop_rest(now)
+
+    def _survives(self, key) -> bool:
+        """Whether the job goes on without task ``key`` (announced when it does)."""
+        running = [k for k, s in self._slots.items() if k[0] == key[0] and s.state == "running"]
+        if key[0] not in self._survivable or not running:
+            return False
+        if self._stream_output:
+            how = _process.describe_exit(self._slots[key].exit_code)
+            print(f"[keras-dist] {key[0]} {key[1]} failed ({how}); the job goes on without it.")
+        return True
 
     def _may_restart(self, slot: TaskSlot) -> bool:
         return (
@@ -386,7 +405,7 @@ class MultiProcessRunner:
             failed = [
                 (slot.failed_at, key)
                 for key, slot in self._slots.items()
-                if slot.failed_at is not None
+                if slot.failed_at is not None and not slot.survived
             ]
             if failed:
                 raise self._failure_error(min(failed)[1], report)

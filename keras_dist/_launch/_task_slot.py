@@ -8,9 +8,10 @@ from keras_dist._launch import _process
 class TaskStatus(NamedTuple):
     """One task's state, from ``MultiProcessRunner.process_status()``.
 
-    ``state`` is ``"not started"``, ``"running"``, ``"succeeded"``, ``"failed"`` or
-    ``"terminated"`` (stopped by the runner or by you); ``exit_code`` is negative when a
-    signal ended the process; ``restarts`` counts automatic and manual restarts.
+    ``state`` is ``"not started"``, ``"running"``, ``"succeeded"``, ``"failed"``,
+    ``"lost"`` (failed, and the job goes on without it: the runner's ``survivable``
+    tasks) or ``"terminated"`` (stopped by the runner or by you); ``exit_code`` is negative
+    when a signal ended the process; ``restarts`` counts automatic and manual restarts.
 
     >>> status = TaskStatus("failed", exit_code=-9, pid=1234, restarts=0)
     >>> status.state, status.exit_code
@@ -34,6 +35,7 @@ class TaskSlot:
         # Stopped by the runner or the user: neither a failure nor restarted.
         self.stopped = False
         self.failed_at = None
+        self.survived = False  # failed, and the job goes on without it
 
     @property
     def started(self) -> bool:
@@ -50,7 +52,7 @@ class TaskSlot:
         if self.exit_code is None:
             return "running"
         if self.failed_at is not None:
-            return "failed"
+            return "lost" if self.survived else "failed"
         if self.stopped and not self.returned:
             return "terminated"
         return "succeeded"

@@ -98,6 +98,8 @@ class MultiProcessCluster:
             env={TOKEN_ENV: os.environ[TOKEN_ENV]},
             stream_output=False,
             dependence_on_chief=False,
+            # The coordinator gives a lost worker's work to the others (TF's fault tolerance).
+            survivable=("worker",),
             terminate_grace=5.0,
             devices_per_worker=devices_per_worker,
         )

@@ -392,6 +392,48 @@ def test_without_dependence_on_chief_workers_finish(tmp_path):
     assert runner.join(timeout=30) == ["chief done", "worker done"]
 
 
+def _chief_waits_for_marker_workers_wait(marker):
+    # The chief ends once the test says so; the workers and the ps serve until stopped.
+    _wait_for(lambda: os.path.exists(marker), timeout=60)
+    if _task()["type"] == "chief":
+        return "chief done"
+    time.sleep(600)
+
+
+def test_a_survivable_worker_fails_and_the_job_goes_on(tmp_path):
+    # A parameter-server job: the coordinator gives a lost worker's work to the others.
+    # Before, the runner stopped every task failure_grace after any worker died.
+    cluster = testing.create_cluster_spec(has_chief=True, num_workers=2, num_ps=1)
+    marker = tmp_path / "chief may end"
+    runner = testing.MultiProcessRunner(
+        _chief_waits_for_marker_workers_wait,
+        cluster,
+        args=(str(marker),),
+        survivable=("worker",),
+        failure_grace=0.5,
+        stream_output=False,
+    )
+    runner.start()
+    _wait_for(lambda: runner.process_status()[("worker", 1)].pid, timeout=30)
+    time.sleep(1)
+    os.kill(runner.process_status()[("worker", 1)].pid, signal.SIGKILL)  # the OOM killer
+    _wait_for(lambda: runner.process_status()[("worker", 1)].state == "lost", timeout=30)
+    time.sleep(2)  # four times the grace: nothing else is stopped
+    states = {key: status.state for key, status in runner.process_status().items()}
+    assert states == {
+        ("chief", 0): "running",
+        ("worker", 0): "running",
+        ("worker", 1): "lost",
+        ("ps", 0): "running",
+    }
+    # The last worker is not survivable: losing it stops the job, and join says so.
+    os.kill(runner.process_status()[("worker", 0)].pid, signal.SIGKILL)
+    with pytest.raises(testing.UnexpectedSubprocessExitError) as raised:
+        runner.join(timeout=60)
+    assert (raised.value.task_type, raised.value.task_id) == ("worker", 0)
+    runner.close()
+
+
 def test_auto_restart_relaunches_a_failed_task_with_the_same_tf_config(tmp_path):
     cluster = testing.create_cluster_spec(num_workers=2)
     runner = testing.MultiProcessRunner(
