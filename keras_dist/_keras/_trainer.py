@@ -14,6 +14,8 @@ import functools
 import inspect
 from typing import Protocol
 
+import keras
+
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._keras._internals import CallbackList
@@ -90,6 +92,7 @@ def _wrap_loop(original, training):
             arguments.get("callbacks")
         )
         if original.__name__ == "fit":
+            _refuse_keras_backups_across_processes(arguments.get("callbacks"), strategy)
             with _fitting_with(self, arguments.get("callbacks")):
                 return _run_loop(self, original, training, quiet, args, kwargs)
         return _run_loop(self, original, training, quiet, args, kwargs)
@@ -99,6 +102,20 @@ def _wrap_loop(original, training):
 
 
 @contextlib.contextmanager
+def _refuse_keras_backups_across_processes(callbacks, strategy) -> None:
+    """Keras's own ``BackupAndRestore`` has every worker write the same files: they collide."""
+    if strategy is None or not strategy.extended.spans_processes:
+        return
+    for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
+        if type(callback) is keras.callbacks.BackupAndRestore:
+            raise ValueError(
+                "keras.callbacks.BackupAndRestore has every worker write the same backup "
+                "files, which collide across processes. Use kd.callbacks.BackupAndRestore "
+                "(same arguments): the chief writes the backup and every worker restores "
+                f"from it, as tf.keras's did. Received: {callback!r}"
+            )
+
+
 def _fitting_with(model, callbacks):
     """Lets a callback see its siblings during ``fit`` (``fit_callbacks``)."""
     previous = getattr(model, "_keras_dist_fit_callbacks", ())

@@ -790,6 +790,25 @@ def test_workers_given_different_data_get_a_clear_error():
     assert "worker 1: 3 batches of 16 rows (the last of 8)" in message
 
 
+def _keras_backup_worker(directory):
+    import keras
+
+    strategy = kd.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = _tiny_model()
+    x, y = _regression_data(32)
+    model.fit(
+        x, y, batch_size=16, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(directory)]
+    )
+
+
+def test_keras_own_backup_and_restore_across_workers_is_a_clear_error(tmp_path):
+    # Before: both workers wrote the same files (BlockingIOError or FileExistsError), and
+    # the peer of the one that raised died in JAX's abort.
+    with pytest.raises(ValueError, match="Use kd.callbacks.BackupAndRestore"):
+        _launch(_keras_backup_worker, args=(str(tmp_path / "backup"),))
+
+
 def _best_checkpoint_worker(directory, interrupt):
     """Fits 4 epochs with scores 1.0, 0.5, 0.9, 0.8; the first run stops after epoch 1."""
     strategy = kd.MultiWorkerMirroredStrategy(
