@@ -122,7 +122,6 @@ def _take(report, connection, present, num_processes, cluster, names):
         connection.close()  # not a keras_dist task (a port scanner...): ignored
         return
     process_id, theirs = report.get("process_id"), report.get("cluster")
-    problem = None
     if report.get("num_processes") != num_processes or theirs != cluster:
         problem = (
             f"A task reported in with another cluster than {names[0]}'s: every task must "
@@ -130,16 +129,20 @@ def _take(report, connection, present, num_processes, cluster, names):
             f"`task` differs). Received: {names[0]} has {cluster}; the other task has "
             f"{theirs}"
         )
-    elif process_id in present:
-        problem = (
-            f"Two tasks reported in as {names[process_id]}: give each task its own index "
-            f"(TF_CONFIG's task.index). Received: process id {process_id} twice"
-        )
-    elif not isinstance(process_id, int) or not 0 < process_id < num_processes:
+    elif type(process_id) is not int or not 0 < process_id < num_processes:
         problem = (
             f"A task reported in with a process id outside this cluster of "
             f"{num_processes}. Received: process_id={process_id!r}"
         )
+    else:
+        if process_id in present and _is_closed(present[process_id]):
+            present.pop(process_id).close()  # that task restarted (a cluster manager's retry)
+        problem = None
+        if process_id in present:
+            problem = (
+                f"Two tasks reported in as {names[process_id]}: give each task its own "
+                f"index (TF_CONFIG's task.index). Received: process id {process_id} twice"
+            )
     if problem is not None:
         _send(connection, {"error": problem})
         connection.close()
@@ -228,6 +231,20 @@ def _read_line(connection) -> bytes:
             raise ConnectionError("the peer closed before a whole message")
         data += chunk
     return data
+
+
+def _is_closed(connection) -> bool:
+    """Whether the peer has closed ``connection`` (it sends nothing until answered)."""
+    timeout = connection.gettimeout()
+    connection.setblocking(False)
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        connection.settimeout(timeout)
 
 
 def _wait_closed(connection) -> None:

@@ -101,7 +101,6 @@ def _wrap_loop(original, training):
     return loop
 
 
-@contextlib.contextmanager
 def _refuse_keras_backups_across_processes(callbacks, strategy) -> None:
     """Keras's own ``BackupAndRestore`` has every worker write the same files: they collide."""
     if strategy is None or not strategy.extended.spans_processes:
@@ -116,6 +115,7 @@ def _refuse_keras_backups_across_processes(callbacks, strategy) -> None:
             )
 
 
+@contextlib.contextmanager
 def _fitting_with(model, callbacks):
     """Lets a callback see its siblings during ``fit`` (``fit_callbacks``)."""
     previous = getattr(model, "_keras_dist_fit_callbacks", ())

@@ -7,6 +7,7 @@ itself is tested here on threads; one test runs a real worker alone through
 ``MultiWorkerMirroredStrategy``.
 """
 
+import json
 import logging
 import os
 import socket
@@ -111,19 +112,47 @@ def test_two_tasks_with_one_index_are_refused():
     assert all(isinstance(e, ValueError) for e in errors), errors
 
 
-def test_a_stranger_on_the_port_is_ignored():
-    address = _address()
-    coordinator = _Task(address, 0)
+def _connect(address, timeout=10):
     host, port = address.split(":")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + timeout
     while True:
         try:
-            stranger = socket.create_connection((host, int(port)))
-            break
+            return socket.create_connection((host, int(port)))
         except OSError:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    with stranger:
+
+
+def test_a_task_that_restarted_before_the_roll_was_complete_is_taken_again():
+    # A cluster manager restarts a task that died after reporting in: not a repeated index.
+    address = _address()
+    coordinator = _Task(address, 0, num_processes=3)
+    report = {"protocol": _roll_call._PROTOCOL, "process_id": 1, "num_processes": 3}
+    with _connect(address) as first_life:
+        first_life.sendall(json.dumps(dict(report, cluster="spec")).encode() + b"\n")
+        time.sleep(0.5)  # taken: process 0 now waits for worker 2
+    second_life = _Task(address, 1, num_processes=3)
+    time.sleep(0.5)  # it reports before worker 2 completes the roll
+    assert _Task(address, 2, num_processes=3).result() is None
+    assert second_life.result() is None
+    assert coordinator.result() is None
+
+
+def test_a_malformed_report_is_refused_clearly():
+    address = _address()
+    coordinator = _Task(address, 0)
+    report = {"protocol": _roll_call._PROTOCOL, "process_id": [1], "num_processes": 2}
+    with _connect(address) as connection:
+        connection.sendall(json.dumps(dict(report, cluster="spec")).encode() + b"\n")
+        answer = json.loads(_roll_call._read_line(connection))
+    assert "outside this cluster of 2. Received: process_id=[1]" in answer["error"]
+    assert isinstance(coordinator.result(), ValueError)
+
+
+def test_a_stranger_on_the_port_is_ignored():
+    address = _address()
+    coordinator = _Task(address, 0)
+    with _connect(address) as stranger:
         stranger.sendall(b"GET / HTTP/1.1\r\n\r\n")
         assert _Task(address, 1).result() is None
     assert coordinator.result() is None
