@@ -32,6 +32,13 @@ def _build(strategy):
     return model, optimizer, accuracy
 
 
+# Mirrored on 4 devices, OneDevice, and the default strategy (``make_strategy()`` is None).
+_EACH_STRATEGY = pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: kd.MirroredStrategy(cpus(4)), lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: None],
+    ids=["mirrored", "one_device", "default"],
+)
+
 _LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
 
@@ -331,11 +338,7 @@ def test_results_of_full_and_partial_batches_add_up_as_in_tfs_tutorial():
     assert [float(adds_to(r, full)) for r in results] == [240.0, 190.0, 240.0, 190.0]
 
 
-@pytest.mark.parametrize(
-    "make_strategy",
-    [lambda: kd.MirroredStrategy(cpus(4)), lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: None],
-    ids=["mirrored", "one_device", "default"],
-)
+@_EACH_STRATEGY
 def test_an_argument_the_function_never_reads_is_accepted(make_strategy):
     # TF's input guide: a step over (features, labels) batches that uses only the features.
     strategy = make_strategy() or kd.get_strategy()
@@ -382,11 +385,7 @@ def test_a_function_and_a_method_pickle_as_their_python():
     assert float(pickle.loads(pickle.dumps(doubler.double))(3.0)) == 6.0
 
 
-@pytest.mark.parametrize(
-    "make_strategy",
-    [lambda: kd.MirroredStrategy(cpus(4)), lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: None],
-    ids=["mirrored", "one_device", "default"],
-)
+@_EACH_STRATEGY
 def test_a_returned_variable_gives_its_value_as_the_function_left_it(make_strategy):
     # The usual way to log the step or the loss scale from the step. Before, a compiled
     # function returned the variable's value from when it was traced, on every call.
