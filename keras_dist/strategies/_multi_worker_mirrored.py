@@ -278,11 +278,6 @@ class MultiWorkerExtended(MeshExtended):
     def worker_index(self) -> int:
         return self._layout.process_id
 
-    def collective_jobs(self) -> str:
-        """The chief and worker jobs as JSON: what every worker must have been given alike."""
-        spec = self.cluster_spec.as_dict()
-        return json.dumps({job: spec[job] for job in ("chief", "worker") if job in spec})
-
     @property
     def role(self) -> ProcessRole:
         """The chief (worker 0 without one) writes checkpoints and summaries."""
