@@ -18,6 +18,10 @@ def _prefetch_threads() -> int:
     return sum(t.name == "keras_dist-prefetch" for t in threading.enumerate())
 
 
+def _ours(thread_name) -> bool:
+    return thread_name.startswith(("keras_dist", "keras-dist", "kd-"))
+
+
 def _settled_thread_count(deadline=5.0) -> int:
     """The thread count once stopped read-ahead threads have ended (each within a poll)."""
     gc.collect()
@@ -53,12 +57,15 @@ def test_forty_early_breaks_leave_no_read_ahead_thread():
     strategy = kd.MirroredStrategy(cpus(2))
     batches = [np.full((4, 2), i, np.float32) for i in range(10)]
     dataset = strategy.experimental_distribute_dataset(batches)
-    before = _settled_thread_count()
+    before = set(threading.enumerate())
     for _ in range(40):
         for step, _ in enumerate(dataset):
             if step == 1:
                 break
-    assert abs(_settled_thread_count() - before) <= 2
+    _settled_thread_count()
+    # Ours only: the suite's other threads (pools, watchers of earlier tests) come and go.
+    left = [t.name for t in set(threading.enumerate()) - before if _ours(t.name)]
+    assert left == []
     assert _prefetch_threads() == 0
 
 
@@ -132,7 +139,8 @@ def test_fit_closes_its_read_ahead_however_the_loop_ends():
     strategy = kd.MirroredStrategy(cpus(2))
     model = _model(strategy)
     x, y = _data()
-    before = _settled_thread_count()
+    _settled_thread_count()
+    before = set(threading.enumerate())
     model.fit(_Batches(x, y, 8), epochs=2, steps_per_epoch=3, verbose=0)
     model.fit(_Batches(x, y, 8), epochs=3, callbacks=[_StopAfterTwoBatches()], verbose=0)
     model.evaluate(_Batches(x, y, 8), steps=2, verbose=0)
@@ -148,8 +156,9 @@ def test_fit_closes_its_read_ahead_however_the_loop_ends():
     while _prefetch_threads() and time.monotonic() < end:
         time.sleep(0.02)
     assert _prefetch_threads() == 0
-    # No thread left behind (threads of earlier tests' servers may end meanwhile).
-    assert _settled_thread_count() - before <= 2
+    # None of ours left behind (the suite's other threads come and go meanwhile).
+    _settled_thread_count()
+    assert [t.name for t in set(threading.enumerate()) - before if _ours(t.name)] == []
 
 
 def _live_distributed_variables() -> int:
