@@ -50,6 +50,7 @@ from jax._src import xla_bridge
 from keras_dist._process_exit import install_exit_wait
 from keras_dist._process_exit import leave_now
 from keras_dist._roll_call import roll_call
+from keras_dist._roll_call import split_host_port
 from keras_dist.errors import DeadlineExceededError
 from keras_dist.errors import UnavailableError
 
@@ -148,11 +149,11 @@ def check_coordinator_port(coordinator_address, coordinator_task=None):
     ...         print(error.errno == errno.EADDRINUSE, address in str(error))
     True True
     """
-    coordinator = _split_host_port(coordinator_address)
+    coordinator = split_host_port(coordinator_address)
     if coordinator is None:
         return  # Not host:port; JAX reports it.
     default_bind = f"[::]:{coordinator[1]}"  # JAX's default: every address, the same port
-    bind = _split_host_port(os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or default_bind)
+    bind = split_host_port(os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or default_bind)
     targets = [coordinator] + ([bind] if bind not in (None, coordinator) else [])
     for target in targets:
         if _port_taken(*target):
@@ -164,7 +165,7 @@ def check_coordinator_port(coordinator_address, coordinator_task=None):
 def _port_taken_message(coordinator_address, coordinator_task, target):
     where = f" (hosted by {coordinator_task}, this process)" if coordinator_task else ""
     bound = ""
-    if target != _split_host_port(coordinator_address):
+    if target != split_host_port(coordinator_address):
         bound = f" JAX's coordination service binds {_join_host_port(*target)}, and that failed."
     return (
         f"The coordinator address {coordinator_address}{where} is already in use: a socket "
@@ -174,14 +175,6 @@ def _port_taken_message(coordinator_address, coordinator_task, target):
         "resolver's coordinator address); `kd.launch` and `keras-dist launch` pick free "
         "ports themselves."
     )
-
-
-def _split_host_port(address):
-    """``("::", 80)`` for ``"[::]:80"``; None when ``address`` is not ``host:port``."""
-    host, _, port = str(address).rpartition(":")
-    if not host or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
 
 
 def _join_host_port(host, port):

@@ -49,7 +49,10 @@ def roll_call(coordinator_address, num_processes, process_id, cluster, timeout, 
     (``"worker 1"``), for the messages.
     """
     names = list(names or (f"process {i}" for i in range(num_processes)))
-    host, port = _host_port(coordinator_address)
+    parsed = split_host_port(coordinator_address)
+    if parsed is None:
+        return  # not host:port: JAX says so
+    host, port = parsed
     deadline = time.monotonic() + timeout
     if process_id == 0:
         _call_the_roll(host, port, num_processes, cluster, deadline, names, timeout)
@@ -256,8 +259,11 @@ def _wait_closed(connection) -> None:
         pass
 
 
-def _host_port(address):
+def split_host_port(address):
+    """``("::", 80)`` for ``"[::]:80"``; None when ``address`` is not ``host:port``."""
     host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        return None
     return host.strip("[]"), int(port)
 
 
