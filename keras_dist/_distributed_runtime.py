@@ -3,18 +3,10 @@
 * ``initialize`` starts ``jax.distributed`` once per process (gloo
   collectives on CPU) and refuses, with a message saying why, when JAX has
   already started on its own.
-* ``PeerWatch`` waits for every multi-process execution with a deadline. JAX
-  alone would either raise gloo's bare "Connection closed by peer" (a peer
-  died) or block forever (a peer is stuck outside the collective). Instead the
-  survivors find out *which* tasks are missing, through the coordination
-  service's key-value store, and raise ``UnavailableError`` or
-  ``DeadlineExceededError`` naming them.
 
-After such a failure the process cannot take part in collectives again, and
-JAX's own shutdown would wait on the lost peer or abort from its error-polling
-thread; an exit hook ends the process with status 1 instead (the traceback is
-already printed by then). A process whose program ends waits for its peers'
-programs to end, and leaves at once if one failed (``_process_exit``).
+A process whose program ends waits for its peers' programs to end, and leaves
+at once if one failed (``_process_exit``); ``_peer_watch`` waits for each
+execution across processes.
 
 Two more things happen around ``jax.distributed.initialize``:
 
@@ -29,17 +21,13 @@ Two more things happen around ``jax.distributed.initialize``:
   preemption save is asked for (``callbacks/_preemption.py``).
 """
 
-import atexit
-import contextlib
 import ctypes
 import errno
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
-import time
 
 import jax
 
@@ -51,12 +39,6 @@ from keras_dist._process_exit import install_exit_wait
 from keras_dist._process_exit import leave_now
 from keras_dist._roll_call import roll_call
 from keras_dist._roll_call import split_host_port
-from keras_dist.errors import DeadlineExceededError
-from keras_dist.errors import UnavailableError
-
-_KEY_PREFIX = "keras_dist/waiting_at_failure/"
-# How long survivors wait for each other to report in after a failure.
-_DIAGNOSIS_SECONDS = 3.0
 
 
 def is_initialized() -> bool:
@@ -298,145 +280,3 @@ def _leave_on_uncaught_exception():
         leave_now(1)
 
     sys.excepthook = excepthook
-
-
-class PeerWatch:
-    """Waits for multi-process executions, turning lost peers into named errors.
-
-    Args:
-        task_names: the name of each process id, e.g. ``["chief 0", "worker 0"]``.
-        process_id: this process's id.
-        timeout_seconds: how long one execution may wait for its peers.
-    """
-
-    def __init__(self, task_names, process_id, timeout_seconds):
-        self._task_names = list(task_names)
-        self._process_id = process_id
-        self._timeout = timeout_seconds
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = None
-        self._failure = None
-
-    @contextlib.contextmanager
-    def translating_failures(self):
-        """Turns a collective's failure raised inside the block into a named error."""
-        if self._failure is not None:
-            raise self._failure
-        try:
-            yield
-        except Exception as error:
-            if not _is_collective_failure(error):
-                raise
-            self._fail(error, timed_out=False)
-
-    def call(self, fn, *args):
-        """``fn(*args)`` run to completion; raises a named error if a peer is lost.
-
-        On CPU a multi-process execution may block in its dispatch, so the call
-        itself runs on the watch's thread while the caller waits with the
-        deadline. (``fn`` must not depend on the caller's thread-local state:
-        it is an already built program.)
-        """
-        if self._failure is not None:
-            raise self._failure
-        done = threading.Event()
-        box = {}
-
-        def job():
-            try:
-                box["out"] = jax.block_until_ready(fn(*args))
-            except Exception as error:  # handed to the waiting caller
-                box["error"] = error
-            done.set()
-
-        self._start_thread()
-        self._requests.put(job)
-        if not done.wait(self._timeout):
-            self._fail(None, timed_out=True)
-        if "error" in box:
-            with self.translating_failures():
-                raise box["error"]
-        return box["out"]
-
-    def _start_thread(self):
-        # The thread may stay blocked for good if a peer never answers: a daemon.
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="keras_dist-peer-watch")
-            self._thread.daemon = True
-            self._thread.start()
-
-    def _serve(self):
-        while True:
-            self._requests.get()()
-
-    def _fail(self, cause, timed_out):
-        lost = self._missing_peers()
-        names = ", ".join(lost) if lost else "an unknown task"
-        if timed_out:
-            error = DeadlineExceededError(
-                f"A collective did not complete within {self._timeout} s: {names} did not "
-                "reach it (stuck or dead). The other tasks were waiting for it. Check "
-                "that task's log; raise CommunicationOptions(timeout_seconds=...) if a "
-                "step legitimately takes longer.",
-                lost,
-            )
-        else:
-            error = UnavailableError(
-                f"Lost contact with {names} during a collective: the task died or closed "
-                f"its connection. Check that task's log. (JAX reported: {cause})",
-                lost,
-            )
-        self._failure = error
-        _exit_after_failure()
-        raise error from cause
-
-    def _missing_peers(self) -> list:
-        """The tasks that did not report in, through the coordination service."""
-        client = distributed.global_state.client
-        others = [i for i in range(len(self._task_names)) if i != self._process_id]
-        try:
-            client.key_value_set(f"{_KEY_PREFIX}{self._process_id}", "1")
-            deadline = time.monotonic() + _DIAGNOSIS_SECONDS
-            while True:
-                reported = {
-                    int(key.rsplit("/", 1)[-1]) for key, _ in client.key_value_dir_get(_KEY_PREFIX)
-                }
-                missing = [i for i in others if i not in reported]
-                if not missing or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-        except Exception:
-            # The coordination service runs in process 0: if it cannot be
-            # reached, process 0 is the one that is gone.
-            missing = [0] if self._process_id != 0 else others
-        return [self._task_names[i] for i in missing]
-
-
-def _is_collective_failure(error) -> bool:
-    """Whether JAX's error comes from a collective's transport (not the user's program)."""
-    message = str(error)
-    return any(
-        marker in message
-        for marker in (
-            "Gloo",
-            "gloo",
-            "NCCL",
-            "Connection closed",
-            "Connection reset",
-            "rendezvous",
-        )
-    )
-
-
-_exit_hook_installed = False
-
-
-def _exit_after_failure():
-    """Ends the process with status 1 at exit, skipping JAX's shutdown of a broken cluster."""
-    global _exit_hook_installed
-    if _exit_hook_installed:
-        return
-    _exit_hook_installed = True
-
-    # atexit runs the last registered first: this runs before JAX's hooks.
-    atexit.register(leave_now, 1)

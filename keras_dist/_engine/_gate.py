@@ -35,18 +35,23 @@ class ExecutionGate:
         self._in_flight = None
         self._deferring = threading.local()
 
-    def call(self, serialize: bool, fn, *args, may_run_on: bool = False):
+    def call(self, serialize: bool, fn, *args, may_run_on: bool = False, dispatch=None):
         """``fn(*args)``: serialized with every other call when ``serialize``.
 
         With ``may_run_on`` (a compiled step's program) the execution may still
-        run when this returns, within ``deferring`` only.
+        run when this returns, within ``deferring`` only. ``dispatch(fn, *args)``,
+        where given, dispatches instead and returns the outputs and what to wait
+        on (``PeerWatch.dispatch``: across processes, with a deadline).
         """
         if not serialize:
             return fn(*args)
         with self._lock:
             self._wait()
-            out = fn(*args)
-            self._in_flight = _first_array(out)
+            if dispatch is None:
+                out = fn(*args)
+                self._in_flight = _first_array(out)
+            else:
+                out, self._in_flight = dispatch(fn, *args)
             if not (may_run_on and getattr(self._deferring, "on", False)):
                 self._wait()
             return out
@@ -77,8 +82,9 @@ class ExecutionGate:
 
     def _wait(self):
         pending, self._in_flight = self._in_flight, None
-        if pending is not None and not pending.is_deleted():
-            pending.block_until_ready()
+        if pending is None or (isinstance(pending, jax.Array) and pending.is_deleted()):
+            return
+        pending.block_until_ready()
 
 
 def _first_array(tree):

@@ -58,7 +58,7 @@ class MeshExtended(StrategyExtended, MeshRuntime):
         cross_device_ops=None,
         parameter_device=None,
         mesh_devices=None,
-        executor=None,
+        dispatch=None,
         cores_per_replica=1,
     ):
         super().__init__(container_strategy)
@@ -69,7 +69,7 @@ class MeshExtended(StrategyExtended, MeshRuntime):
             )
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(devices)
         self._placement = Placement(
-            devices, mesh_devices, executor, self._cross_device_ops, cores_per_replica
+            devices, mesh_devices, dispatch, self._cross_device_ops, cores_per_replica
         )
         self._parameter_device = parameter_device
         storage = (

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from keras_dist import _context
 from keras_dist import _distributed_runtime
+from keras_dist._peer_watch import PeerWatch
 from keras_dist._reduce_op import ReduceOp
 from keras_dist.cluster_resolver import ClusterSpec
 from keras_dist.cluster_resolver import SimpleClusterResolver
@@ -255,15 +256,16 @@ class MultiWorkerExtended(MeshExtended):
                 "CommunicationImplementation.NCCL needs GPUs; these workers run on "
                 "CPU, so collectives use gloo (TF falls back to RING the same way)."
             )
-        executor = None
+        dispatch = None
         if everyone != local:
-            # On CPU each execution completes before the next anyway (one in
-            # flight); running it under the watch, with a deadline, means a lost
-            # peer is reported by name instead of hanging this or a later read.
-            executor = _distributed_runtime.PeerWatch(
+            # On CPU each execution ends before the next is dispatched anyway (one
+            # in flight); dispatching it through the watch, which waits with a
+            # deadline, means a lost peer is reported by name instead of hanging
+            # this or a later read. ``fit``'s host work overlaps the running step.
+            dispatch = PeerWatch(
                 layout.task_names(), layout.process_id, timeout
-            ).call
-        super().__init__(container_strategy, local, mesh_devices=everyone, executor=executor)
+            ).dispatch
+        super().__init__(container_strategy, local, mesh_devices=everyone, dispatch=dispatch)
 
     @property
     def layout(self):

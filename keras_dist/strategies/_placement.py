@@ -48,7 +48,7 @@ class Placement:
         self,
         local_devices,
         mesh_devices=None,
-        executor=None,
+        dispatch=None,
         cross_device_ops=None,
         cores_per_replica=1,
     ):
@@ -73,7 +73,7 @@ class Placement:
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(REPLICA_AXIS))
         self._serialize = needs_serializing(mesh_devices)
-        self._executor = executor
+        self._dispatch = dispatch
         # Set by the strategy after construction: cross-process sums reduce with it.
         self.cross_device_ops = cross_device_ops
 
@@ -86,9 +86,7 @@ class Placement:
     def execute(self, fn, *args, may_run_on: bool = False):
         """Runs a multi-device program: where jaxlib needs it, it has ended when this
         returns (a step's program, ``may_run_on``, not always: ``_engine/_gate.py``)."""
-        if self._executor is not None and self._serialize:
-            return GATE.call(True, self._executor, fn, *args)  # the executor waits for it
-        return GATE.call(self._serialize, fn, *args, may_run_on=may_run_on)
+        return GATE.call(self._serialize, fn, *args, may_run_on=may_run_on, dispatch=self._dispatch)
 
     # ------------------------------------------------------------- placement
     def put(self, value, sharding):

@@ -234,10 +234,26 @@ def _loses_worker_1(how, timeout_seconds, loop="fit"):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
     x, y = np.ones((640, 3), "float32"), np.ones((640, 1), "float32")
+
+    class LosingWorker1(keras.utils.PyDataset):
+        """Batches of 16; worker 1 is lost reading the sixth: no callback runs per batch."""
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, index):
+            if index == 5:
+                LoseWorker1().on_train_batch_end(5)
+            return x[index * 16 : (index + 1) * 16], y[index * 16 : (index + 1) * 16]
+
     start = time.monotonic()
     try:
         if loop == "fit":
             model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[LoseWorker1()])
+        elif loop in ("quiet fit", "progress bar fit"):
+            # Nothing between two steps: each step still runs when fit reads the next
+            # batch (and, with the progress bar, Keras reads its loss directly).
+            model.fit(LosingWorker1(), epochs=3, verbose=int(loop == "progress bar fit"))
         else:
             _custom_loop(strategy, model, x, y, LoseWorker1())
     except kd.errors.OpError as error:
@@ -299,9 +315,10 @@ def _seconds_until_error(log):
     return float(line.split(" after ")[1].split(" s:")[0])
 
 
-def test_a_killed_worker_makes_the_survivor_raise_naming_it():
+@pytest.mark.parametrize("loop", ["fit", "quiet fit"])
+def test_a_killed_worker_makes_the_survivor_raise_naming_it(loop):
     # Spec 68: the survivor raises UnavailableError within 60 s, and exits.
-    log, survivor_code, lost_code = _run_losing_worker_1("dies", timeout_seconds=60)
+    log, survivor_code, lost_code = _run_losing_worker_1("dies", timeout_seconds=60, loop=loop)
     assert lost_code == 17
     assert "SURVIVOR UnavailableError" in log, log
     assert "Lost contact with worker 1" in log
@@ -309,13 +326,59 @@ def test_a_killed_worker_makes_the_survivor_raise_naming_it():
     assert survivor_code == 1
 
 
-@pytest.mark.parametrize("loop", ["fit", "kd.function"])
+@pytest.mark.parametrize("loop", ["fit", "kd.function", "quiet fit"])
 def test_a_stuck_worker_makes_the_survivor_raise_deadline_exceeded(loop):
     log, survivor_code, _ = _run_losing_worker_1("hangs", timeout_seconds=8, loop=loop)
     assert "SURVIVOR DeadlineExceededError" in log, log
     assert "within 8 s: worker 1 did not reach it" in log
     assert 8 <= _seconds_until_error(log) < 30
     assert survivor_code == 1
+
+
+def test_a_survivor_reading_a_running_steps_loss_still_names_a_stuck_worker():
+    # With the progress bar, Keras may read a step's loss while the step waits for the
+    # stuck worker, outside keras_dist's wait: the watchdog names it and ends the process.
+    log, survivor_code, _ = _run_losing_worker_1("hangs", 8, loop="progress bar fit")
+    assert "DeadlineExceededError" in log, log
+    assert "within 8 s: worker 1 did not reach it" in log
+    assert survivor_code == 1
+
+
+_BLOCKED_OUTSIDE_THE_WAIT = """
+import jax, numpy as np
+from keras_dist._peer_watch import PeerWatch
+
+# A step whose collective never completes: a program that never ends (dispatched
+# asynchronously, as a multi-process step is: a matmul in it).
+m = np.eye(64, dtype=np.float32)
+program = jax.jit(
+    lambda x: jax.lax.while_loop(lambda x: x[0, 0] > -2.0, lambda x: jax.numpy.sin(x @ m), x)
+)
+watch = PeerWatch(["worker 0", "worker 1"], 0, timeout_seconds=1)
+out, pending = watch.dispatch(program, np.ones((64, 64), np.float32))
+print("dispatched", flush=True)
+np.asarray(out)  # a direct read: no deadline of its own
+print("read", flush=True)
+"""
+
+
+def test_the_watchdog_ends_a_process_blocked_outside_the_wait():
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_OUTSIDE_THE_WAIT],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == "dispatched\n"
+    assert "DeadlineExceededError: A collective did not complete within 1 s" in done.stderr
+    assert "worker 1 did not reach it" in done.stderr
+    assert time.monotonic() - start < 60
 
 
 def test_a_sigstopped_worker_makes_the_survivor_raise_within_the_timeout():
