@@ -262,9 +262,7 @@ class MultiWorkerExtended(MeshExtended):
             # in flight); dispatching it through the watch, which waits with a
             # deadline, means a lost peer is reported by name instead of hanging
             # this or a later read. ``fit``'s host work overlaps the running step.
-            dispatch = PeerWatch(
-                layout.task_names(), layout.process_id, timeout
-            ).dispatch
+            dispatch = PeerWatch(layout.task_names(), layout.process_id, timeout).dispatch
         super().__init__(container_strategy, local, mesh_devices=everyone, dispatch=dispatch)
 
     @property
