@@ -293,7 +293,12 @@ class Function:
         if any(isinstance(x, DistributedIterator) for x in leaves):
             # TF's `train_step(iterator)` with `next(iterator)` inside: the iterator's
             # next element is read here and becomes an input of the program.
-            args, kwargs = with_next_elements(given, read_ahead)
+            try:
+                args, kwargs = with_next_elements(given, read_ahead)
+            except StopIteration:
+                # At the end the body decides, as TF's program does: `next` raises
+                # OutOfRange, a `get_next_as_optional` loop returns.
+                return self._run_python(*given)
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_argument_leaf)
         kinds, dynamic, signature, statics = [], [], [], []
         for index, leaf in enumerate(leaves):

@@ -170,6 +170,7 @@ class DistributedDataset:
                     "InputReplicationMode.PER_REPLICA is only supported in "
                     "`distribute_datasets_from_function`. Received: " + repr(options)
                 )
+        _check_not_arrays(dataset)
         _check_iterable(dataset)
         extended = strategy.extended
         if not isinstance(
@@ -321,6 +322,21 @@ def _spec_of(value):
     return jax.tree_util.tree_map(spec, value, is_leaf=lambda x: isinstance(x, PerReplica))
 
 
+def _check_not_arrays(dataset):
+    arrays = isinstance(dataset, (tuple, dict)) and all(
+        _is_array(x) for x in (dataset.values() if isinstance(dataset, dict) else dataset)
+    )
+    if _is_array(dataset) or (arrays and dataset):
+        # Read as batches, an array's rows would each be split between the replicas,
+        # and `(x, y)` would be two batches. TF refuses them too.
+        raise TypeError(
+            "A distributed dataset takes an iterable of global batches, not the arrays "
+            "themselves. For arrays, batch their rows first: "
+            "`strategy.experimental_make_numpy_dataset((x, y)).batch(global_batch_size)`, "
+            "or pass a list of batches. Received: " + _describe_arrays(dataset)
+        )
+
+
 def _check_iterable(dataset):
     if callable(dataset) and not hasattr(dataset, "__iter__"):
         raise TypeError(
@@ -335,3 +351,14 @@ def _check_iterable(dataset):
             "Grain dataset, a `keras.utils.PyDataset`...), not a one-shot iterator, "
             "so that each epoch starts again. Received: " + type(dataset).__name__
         )
+
+
+def _is_array(value) -> bool:
+    return isinstance(value, (np.ndarray, jax.Array))
+
+
+def _describe_arrays(value) -> str:
+    if _is_array(value):
+        return f"an array of shape {tuple(value.shape)}"
+    shapes = jax.tree_util.tree_map(lambda x: tuple(x.shape), value)
+    return f"a {type(value).__name__} of arrays of shapes {shapes}"

@@ -155,6 +155,25 @@ def test_one_shot_iterator_is_rejected():
         strategy.experimental_distribute_dataset(lambda: (b for b in _batches(10, 2)))
 
 
+def test_arrays_given_for_a_dataset_are_refused_with_what_to_pass():
+    # Read as batches, `(x, y)` would be two batches and an array's rows would each be
+    # split between the replicas; TF refuses both too.
+    strategy = kd.MirroredStrategy(cpus(2))
+    x, y = np.arange(20.0).reshape(10, 2), np.arange(10.0)
+    for given, received in [
+        ((x, y), r"a tuple of arrays of shapes \(\(10, 2\), \(10,\)\)"),
+        (x, r"an array of shape \(10, 2\)"),
+        ({"x": x}, r"a dict of arrays of shapes \{'x': \(10, 2\)\}"),
+    ]:
+        with pytest.raises(TypeError, match=r"experimental_make_numpy_dataset.*" + received):
+            strategy.experimental_distribute_dataset(given)
+    # What the message says to do gives the global batches split between the replicas.
+    batches = strategy.experimental_make_numpy_dataset((x, y)).batch(4)
+    first_x, first_y = next(iter(strategy.experimental_distribute_dataset(batches)))
+    assert _local(strategy, first_y) == [[0.0, 1.0], [2.0, 3.0]]
+    assert [v.shape for v in strategy.experimental_local_results(first_x)] == [(2, 2), (2, 2)]
+
+
 @pytest.mark.parametrize(
     "batch, match",
     [

@@ -90,6 +90,31 @@ def test_a_get_next_as_optional_loop_inside_gives_tfs_steps():
     ]
 
 
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_a_get_next_as_optional_loop_called_again_at_the_end_returns_as_tfs(replicas):
+    # The input guide's `train_fn(iterator)`; 6 rows in global batches of 3. TF 2.21:
+    # the first call runs 2 steps, a call on the used-up iterator finds no value (0).
+    strategy = kd.MirroredStrategy(cpus(replicas))
+    batches = [np.arange(0.0, 3.0), np.arange(3.0, 6.0)]
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+
+    @kd.function
+    def train_fn(iterator):
+        steps, summed = 0, 0.0
+        for _ in range(5):
+            optional = iterator.get_next_as_optional()
+            if not optional.has_value():
+                break
+            doubled = strategy.run(lambda x: x * 2, args=(optional.get_value(),))
+            summed = summed + strategy.reduce("SUM", doubled, axis=0)
+            steps += 1
+        return steps, summed
+
+    steps, summed = train_fn(iterator)
+    assert (steps, float(summed)) == (2, 30.0)
+    assert train_fn(iterator) == (0, 0.0)
+
+
 def test_several_next_calls_per_call_read_in_order_then_out_of_range():
     strategy = kd.MirroredStrategy(cpus(2))
     batches = [np.full(2, float(i), "float32") for i in range(6)]
