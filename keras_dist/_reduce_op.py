@@ -42,8 +42,10 @@ class ReduceOp(enum.Enum):
         name = str(aggregation).upper()
         raise ValueError(
             f"Could not convert from `tf.VariableAggregation` VariableAggregation.{name} "
-            "to a reduce op: only 'sum' and 'mean' map to one. Received: "
-            f"aggregation={aggregation!r}"
+            "to a reduce op: only 'sum' and 'mean' map to one, so a variable created "
+            f"with aggregation={aggregation!r} cannot be read across replicas (a metric's "
+            "result, a sync-on-read variable). Create it with aggregation='sum', 'mean' "
+            f"or 'only_first_replica'. Received: aggregation={aggregation!r}"
         )
 
     def __str__(self) -> str:

@@ -96,7 +96,7 @@ class CompiledReplica(ReplicaEngine, TracedMerge):
         )
 
     def aggregate_sync_on_read(self, variable, local):
-        aggregation = variable.aggregation
+        aggregation = variable.read_aggregation
         if aggregation == "only_first_replica":
             return lax.all_gather(local, AXIS)[0]
         op = ReduceOp.from_variable_aggregation(aggregation)

@@ -156,7 +156,7 @@ class CrossReplica(ReplicaCopies):
 
     def aggregate_sync_on_read(self, variable, local):
         components = list(self.sync_on_read_components(variable))
-        if variable.aggregation == "only_first_replica":
+        if variable.read_aggregation == "only_first_replica":
             return components[0]
         total = _sum(components, "read")
         if variable.aggregation == "mean":

@@ -384,15 +384,25 @@ def _multi_step(replica_step, with_rows):
     """A replica function running ``replica_step`` on each of several batches in turn.
 
     ``rows`` are the batches' global row counts (a train step scales its loss by them).
+    A method of an object of its own: its traces are counted per model (fitting
+    one model after another traces each one's steps once, which is not retracing).
     """
+    return _MultiStep(replica_step, with_rows).steps
 
-    def steps(datas, rows):
+
+class _MultiStep:
+    def __init__(self, replica_step, with_rows):
+        self._replica_step = replica_step
+        self._with_rows = with_rows
+
+    def steps(self, datas, rows):
         logs = None
         for data, global_rows in zip(datas, rows):
-            logs = replica_step(data, global_rows) if with_rows else replica_step(data)
+            if self._with_rows:
+                logs = self._replica_step(data, global_rows)
+            else:
+                logs = self._replica_step(data)
         return logs
-
-    return steps
 
 
 def _same_even_layout(splits) -> bool:

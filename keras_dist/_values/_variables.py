@@ -225,7 +225,7 @@ class SyncOnReadVariable(DistributedVariable):
         if self._stacked is None:
             return super().value
         self._sync_if_needed()
-        if self.aggregation == "none":
+        if self.read_aggregation == "none":
             # TF's wording ("Could not convert from `tf.VariableAggregation`
             # VariableAggregation.NONE ..."), which TF's tests match.
             raise ValueError(
@@ -237,6 +237,17 @@ class SyncOnReadVariable(DistributedVariable):
                 "aggregation='none'"
             )
         return self._maybe_autocast(self._aggregated())
+
+    @property
+    def read_aggregation(self) -> str:
+        """How a cross-replica read combines the components: ``aggregation``, except
+        that ``"none"`` reads the one component where the strategy keeps plain
+        variables (``OneDeviceStrategy``, as TF's)."""
+        if self.aggregation == "none" and (
+            self._distribute_strategy.extended.reads_sync_on_read_as_plain
+        ):
+            return "only_first_replica"
+        return self.aggregation
 
     def stored(self):
         """The ``(num_replicas, *shape)`` components, split over the replicas."""
@@ -261,7 +272,7 @@ class SyncOnReadVariable(DistributedVariable):
         cached = getattr(self, "_aggregate_cache", None)
         if cached is None or cached[0] is not self._stacked:
             reduced = self._distribute_strategy.extended.reduce_stacked(
-                self.aggregation, self._stacked
+                self.read_aggregation, self._stacked
             )
             if isinstance(reduced, jax.core.Tracer):
                 return reduced  # read while Keras traces something: never cache tracers

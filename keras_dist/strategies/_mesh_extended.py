@@ -348,11 +348,16 @@ class MeshExtended(StrategyExtended, MeshRuntime):
         return jax.tree_util.tree_map(wrap, structure)
 
     def reduce_stacked(self, aggregation, stacked):
-        """Cross-replica read of a SyncOnRead variable's components."""
+        """Cross-replica read of a SyncOnRead variable's components (where the other
+        variables are: on the central device of a CentralStorageStrategy)."""
         if aggregation == "only_first_replica":
-            return self._placement.first_component(stacked)
-        op = ReduceOp.from_variable_aggregation(aggregation)
-        return self._cross_device_ops.reduce_components(self._placement, op, [stacked])[0]
+            value = self._placement.first_component(stacked)
+        else:
+            op = ReduceOp.from_variable_aggregation(aggregation)
+            value = self._cross_device_ops.reduce_components(self._placement, op, [stacked])[0]
+        if self._parameter_device is None or isinstance(value, jax.core.Tracer):
+            return value
+        return self._to_storage(value)
 
     def reduce_value(self, reduce_op, value, axis):
         if isinstance(value, DistributedValues) and value.traced is not None:

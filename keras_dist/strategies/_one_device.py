@@ -15,7 +15,7 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device):
-        super().__init__(MeshExtended(self, (resolve_device(device),)))
+        super().__init__(_OneDeviceExtended(self, (resolve_device(device),)))
 
     def experimental_distribute_values_from_function(self, value_fn):
         """``value_fn(ValueContext)``'s value on the device, itself (as TF's OneDeviceStrategy
@@ -28,3 +28,8 @@ class OneDeviceStrategy(Strategy):
         """
         value = super().experimental_distribute_values_from_function(value_fn)
         return self.experimental_local_results(value)[0]
+
+
+class _OneDeviceExtended(MeshExtended):
+    # TF's OneDeviceStrategy keeps plain variables: one with aggregation "none" reads.
+    reads_sync_on_read_as_plain = True

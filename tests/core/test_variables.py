@@ -20,6 +20,8 @@ Design decisions of keras_dist pinned here:
 * Keras variable names have no ":0" suffix (TF's "foo:0" is "foo" here).
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -484,6 +486,46 @@ def test_sync_on_read_read_in_replica_context(n, aggregation, engine):
     # In a replica, each replica sees its own component.
     assert _local(strategy, strategy.run(lambda: v.value)) == [float(i) for i in range(n)]
     assert _local(strategy, strategy.run(lambda: v + 0.0)) == [float(i) for i in range(n)]
+
+
+class _Seen(keras.metrics.Metric):
+    """A metric with a variable of aggregation "none" (Keras allows it)."""
+
+    def __init__(self):
+        super().__init__(name="seen")
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.flag = self.add_variable(
+            shape=(), initializer="zeros", name="flag", aggregation="none"
+        )
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(keras.ops.sum(keras.ops.abs(y_true - y_pred)))
+        self.flag.assign(1.0)
+
+    def result(self):
+        return self.total * self.flag
+
+
+def _evaluate_seen(strategy):
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(1, kernel_initializer="ones")]
+        )
+        model.compile(optimizer="sgd", loss="mse", metrics=[_Seen()])
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 1), "float32")
+    return model.evaluate(x, y, batch_size=4, verbose=0, return_dict=True)
+
+
+def test_one_device_reads_an_aggregation_none_variable_as_plain_keras():
+    # TF's OneDeviceStrategy keeps plain variables; plain Keras gives {loss 9, seen 24}.
+    assert _evaluate_seen(None) == {"loss": 9.0, "seen": 24.0}
+    assert _evaluate_seen(kd.OneDeviceStrategy("/cpu:0")) == {"loss": 9.0, "seen": 24.0}
+    strategy = kd.OneDeviceStrategy("/cpu:0")
+    v = _on_read(strategy, 3.0, "none")
+    assert float(v.value) == 3.0
+    # Several replicas cannot read it, as in TF; the error says what to create instead.
+    with pytest.raises(ValueError, match=r"NONE.*Create it with aggregation='sum'"):
+        _evaluate_seen(_strategy(2))
 
 
 @pytest.mark.parametrize("n", [1, 2])

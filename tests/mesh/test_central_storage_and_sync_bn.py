@@ -42,6 +42,25 @@ def test_central_storage_keeps_variables_on_the_parameter_device():
         assert {d.id for d in variable.value.sharding.device_set} == {5}
 
 
+@pytest.mark.parametrize("parameter_device", [None, "/cpu:5"])
+def test_central_storage_model_called_after_fit_gives_its_weights_result(parameter_device):
+    # Batch norm's moving statistics (per replica) are read where the other variables
+    # are: calling the model after fit mixed devices and failed deep in JAX.
+    strategy = kd.experimental.CentralStorageStrategy(cpus(4), parameter_device=parameter_device)
+    _, _, model = _fit(strategy)
+    x = np.linspace(-1, 1, 15, dtype="float32").reshape(5, 3)
+    kernel, bias = model.layers[0].get_weights()
+    gamma, beta, mean, variance = model.layers[1].get_weights()
+    dense = x @ kernel + bias
+    for training, (m, v) in [(False, (mean, variance)), (True, (dense.mean(0), dense.var(0)))]:
+        normalized = (dense - m) / np.sqrt(v + 1e-3) * gamma + beta
+        want = normalized @ model.layers[2].get_weights()[0] + model.layers[2].get_weights()[1]
+        np.testing.assert_allclose(model(x, training=training), want, rtol=1e-5, atol=1e-5)
+    bn = model.layers[1]
+    gamma, _, _, variance = bn.get_weights()  # (the training call moved the statistics)
+    np.testing.assert_allclose(bn.moving_variance * 2 + bn.gamma, variance * 2 + gamma)
+
+
 @pytest.mark.parametrize("clipnorm", [None, 1.0])
 def test_central_storage_equals_mirrored(clipnorm):
     mirrored = _fit(kd.MirroredStrategy(cpus(4)), clipnorm=clipnorm)

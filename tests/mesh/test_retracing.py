@@ -114,18 +114,20 @@ def test_a_new_function_object_each_call_warns():
     assert values == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
 
 
-def test_training_several_models_is_not_retracing():
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_training_several_models_is_not_retracing(steps_per_execution):
     # Each model's steps are bound methods of their own object: a script (or a search)
     # that trains model after model traces each once, which is no reason to warn.
+    # (40 rows in batches of 8: with steps_per_execution=3, executions of 3 and 2 steps.)
     strategy = kd.MirroredStrategy(cpus(4))
-    x = np.random.default_rng(0).normal(size=(20, 4)).astype("float32")
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype("float32")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(6):
             with strategy.scope():
                 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-                model.compile(optimizer="sgd", loss="mse")
+                model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
             model.fit(
-                x, x[:, :1], batch_size=16, epochs=1, verbose=0, validation_data=(x, x[:, :1])
+                x, x[:, :1], batch_size=8, epochs=2, verbose=0, validation_data=(x, x[:, :1])
             )
     assert not [w for w in caught if issubclass(w.category, RetracingWarning)]
