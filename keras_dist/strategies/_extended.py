@@ -150,10 +150,6 @@ class StrategyExtended(TensorFlowSurface, abc.ABC):
     (2, True)
     """
 
-    # Whether a sync-on-read variable reads as its one component whatever its
-    # aggregation ("none" included), as TF's OneDeviceStrategy's plain variables do.
-    reads_sync_on_read_as_plain = False
-
     def __init__(self, container_strategy):
         self._container_strategy_ref = container_strategy
         self._lock = threading.RLock()

@@ -51,6 +51,10 @@ class MeshExtended(StrategyExtended, MeshRuntime):
     ``devices`` (its logical devices: model parallelism inside a replica).
     """
 
+    # Whether a sync-on-read variable reads as its one component whatever its
+    # aggregation ("none" included), as TF's OneDeviceStrategy's plain variables do.
+    reads_sync_on_read_as_plain = False
+
     def __init__(
         self,
         container_strategy,

@@ -127,7 +127,5 @@ def test_training_several_models_is_not_retracing(steps_per_execution):
             with strategy.scope():
                 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
                 model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
-            model.fit(
-                x, x[:, :1], batch_size=8, epochs=2, verbose=0, validation_data=(x, x[:, :1])
-            )
+            model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, validation_data=(x, x[:, :1]))
     assert not [w for w in caught if issubclass(w.category, RetracingWarning)]
