@@ -7,21 +7,6 @@ checkpoint the training job writes, restores the model (and the optimizer, so
 ``model.evaluate`` on its data. It reads what ``kd.train.Checkpoint`` /
 ``CheckpointManager`` save with ``model=`` and ``optimizer=`` (TF's names), or
 the newest ``.weights.h5`` / ``.keras`` file ``ModelCheckpoint`` writes.
-
->>> import os, tempfile, numpy as np, keras, keras_dist as kd
->>> def make_model():
-...     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-...     model.compile(optimizer="sgd", loss="mse")
-...     return model
->>> directory, trained = tempfile.mkdtemp(), make_model()
->>> checkpoint = kd.train.Checkpoint(model=trained, optimizer=trained.optimizer)
->>> _ = kd.train.CheckpointManager(checkpoint, directory, max_to_keep=2).save()
->>> evaluator = kd.train.SidecarEvaluator(
-...     make_model(), (np.ones((4, 2)), np.ones((4, 1))), directory,
-...     max_evaluations=1, timeout=5, verbose=0)
->>> evaluator.start()
->>> [sorted(logs) for _, logs in evaluator.results]
-[['loss']]
 """
 
 import glob
@@ -105,6 +90,21 @@ class SidecarEvaluator:
 
     ``results`` holds ``(iterations, logs)`` per evaluation: the optimizer's step
     count restored with the checkpoint (0 if it held no optimizer) and the metrics.
+
+    >>> import os, tempfile, numpy as np, keras, keras_dist as kd
+    >>> def make_model():
+    ...     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    ...     model.compile(optimizer="sgd", loss="mse")
+    ...     return model
+    >>> directory, trained = tempfile.mkdtemp(), make_model()
+    >>> checkpoint = kd.train.Checkpoint(model=trained, optimizer=trained.optimizer)
+    >>> _ = kd.train.CheckpointManager(checkpoint, directory, max_to_keep=2).save()
+    >>> evaluator = kd.train.SidecarEvaluator(
+    ...     make_model(), (np.ones((4, 2)), np.ones((4, 1))), directory,
+    ...     max_evaluations=1, timeout=5, verbose=0)
+    >>> evaluator.start()
+    >>> [sorted(logs) for _, logs in evaluator.results]
+    [['loss']]
     """
 
     def __init__(
