@@ -39,6 +39,7 @@ class _Routing(threading.local):
     def __init__(self):
         self.handler = None  # takes an optimizer's gradients instead of updating here
         self.reference = None  # the variable whose slot is being made
+        self.unbuilt = None  # told of an optimizer about to build itself in an apply
 
 
 _routing = _Routing()
@@ -88,6 +89,8 @@ def install_optimizer_hook(apply_in_replica_context) -> None:
 
     @functools.wraps(_original_apply)
     def apply(self, grads, trainable_variables=None):
+        if not self.built and _routing.unbuilt is not None and trainable_variables is not None:
+            _routing.unbuilt(self, list(trainable_variables))
         replica_context = running_replica_context()
         if replica_context is None:
             return _original_apply(self, grads, trainable_variables)
@@ -126,6 +129,13 @@ def routing_gradients(handler):
     still counts the step). It returns False to let the update run as usual.
     """
     return set_for_block(_routing, "handler", handler)
+
+
+def on_unbuilt_apply(callback):
+    """Within, an optimizer about to build itself in ``apply`` (its first) calls
+    ``callback(optimizer, variables)`` first: a parameter-server program's trace
+    stops there, so that its slots are made on the ps tasks, outside the trace."""
+    return set_for_block(_routing, "unbuilt", callback)
 
 
 def slot_reference():

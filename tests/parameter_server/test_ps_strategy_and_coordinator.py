@@ -6,6 +6,7 @@ Every server of a cluster runs in this process on 127.0.0.1 ports, as TF's
 workers over gRPC. Expected values are TF's.
 """
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -762,3 +763,51 @@ def test_the_tutorials_kd_function_steps_schedule_and_run_on_the_coordinator(two
         np.testing.assert_array_equal(np.asarray(read()), [20.0, 20.0])  # on the coordinator
     finally:
         coordinator.stop()
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        lambda: keras.optimizers.RMSprop(0.01),
+    ],
+)
+def test_an_optimizer_built_by_its_first_scheduled_apply_keeps_its_slots_on_the_ps(
+    make_optimizer,
+):
+    # TF's tutorial never builds its optimizer: the first apply makes the slots (on the
+    # ps, in TF). Here they were made inside the trace, as local variables whose
+    # updates were lost (momentum stayed 0). One worker: the steps run in order.
+    x = np.linspace(-1, 1, 32, dtype="float32").reshape(8, 4)
+    y = x.sum(axis=1, keepdims=True)
+
+    def train(strategy, schedule):
+        keras.utils.set_random_seed(3)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            optimizer = make_optimizer()
+
+        def replica_fn():
+            def loss_fn():
+                return kd.nn.compute_average_loss(keras.ops.mean((model(x) - y) ** 2, axis=-1))
+
+            loss, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        for _ in range(4):
+            schedule(lambda: strategy.run(replica_fn) if strategy else replica_fn())
+        return [np.asarray(v.numpy()) for v in model.weights + optimizer.variables]
+
+    want = train(None, lambda step: step())
+    strategy = kd.ParameterServerStrategy(kd.testing.create_in_process_cluster(1, 1))
+    coordinator = ClusterCoordinator(strategy)
+
+    def schedule(step):
+        coordinator.schedule(step)
+        coordinator.join()
+
+    got = train(strategy, schedule)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)

@@ -31,6 +31,7 @@ import numpy as np
 
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
+from keras_dist._keras import on_unbuilt_apply
 from keras_dist._keras import routing_gradients
 from keras_dist._keras import variable_has_value
 from keras_dist.parameter_server.rpc import _protocol as protocol
@@ -190,18 +191,30 @@ class ProgramCache:
                 signature.append(("array", array.shape, array.dtype.name))
             else:
                 signature.append(("static", static_key(leaf)))
-        variables = self._strategy.extended.live_variables()
-        # The function by its code and captures (held weakly): a closure made
-        # afresh for every schedule is traced once, as with tf.function.
-        key = (FunctionKey(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
-        with self._lock:
-            program = self._programs.get(key)
-            used = program.used_variables() if program is not None else None
-            if used is None:
-                program = self._trace(fn, leaves, treedef, dynamic, per_worker, iterators)
-                self._programs = {k: p for k, p in self._programs.items() if k[0].alive}
-                self._programs[key] = program
-                used = program.used_variables()
+        while True:
+            variables = self._strategy.extended.live_variables()
+            # The function by its code and captures (held weakly): a closure made
+            # afresh for every schedule is traced once, as with tf.function.
+            key = (FunctionKey(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
+            with self._lock:
+                program = self._programs.get(key)
+                used = program.used_variables() if program is not None else None
+                unbuilt = None
+                if used is None:
+                    try:
+                        program = self._trace(fn, leaves, treedef, dynamic, per_worker, iterators)
+                    except _UnbuiltOptimizer as stop:
+                        unbuilt = stop
+                    else:
+                        self._programs = {k: p for k, p in self._programs.items() if k[0].alive}
+                        self._programs[key] = program
+                        used = program.used_variables()
+            if unbuilt is None:
+                break
+            # As TF makes an optimizer's slots on its first apply, on the ps tasks
+            # beside their variables: built here, outside the trace, then traced anew.
+            with self._strategy.scope():
+                unbuilt.optimizer.build(unbuilt.variables)
         # Positions in the program's argument list, in leaf order.
         order = sorted([i for i, _ in dynamic] + [i for i, _ in per_worker])
         rank = {leaf_index: n for n, leaf_index in enumerate(order)}
@@ -266,7 +279,8 @@ class ProgramCache:
                 router = GradientRouter(enabled=route, scope=scope)
                 router.start()
                 with scope, tracing(trace), routing_gradients(router), strategy.scope():
-                    out = fn(*args, **kwargs)
+                    with on_unbuilt_apply(_stop_at_unbuilt):
+                        out = fn(*args, **kwargs)
                 _refuse_unshared_writes(scope, variables)
                 out_leaves, out_tree = jax.tree_util.tree_flatten(out)
                 writes, payloads = [], []
@@ -362,6 +376,19 @@ def _element_struct(shape, dtype, batch_size=None):
 def _platforms() -> tuple:
     platform = jax.default_backend()
     return (platform,) if platform == "cpu" else (platform, "cpu")
+
+
+class _UnbuiltOptimizer(Exception):
+    """Stops a trace at an optimizer's first apply: it is built outside, then traced anew."""
+
+    def __init__(self, optimizer, variables):
+        super().__init__(optimizer)
+        self.optimizer = optimizer
+        self.variables = variables
+
+
+def _stop_at_unbuilt(optimizer, variables):
+    raise _UnbuiltOptimizer(optimizer, variables)
 
 
 def _refuse_unshared_writes(scope, variables) -> None:
