@@ -27,8 +27,8 @@ from keras_dist._keras._optimizer import apply_update as apply_update
 from keras_dist._keras._optimizer import clip_gradients as clip_gradients
 from keras_dist._keras._optimizer import gradient_share as gradient_share
 from keras_dist._keras._optimizer import install_optimizer_hook
-from keras_dist._keras._optimizer import routing_gradients as routing_gradients
 from keras_dist._keras._optimizer import on_unbuilt_apply as on_unbuilt_apply
+from keras_dist._keras._optimizer import routing_gradients as routing_gradients
 from keras_dist._keras._optimizer import shared_gradients as shared_gradients
 from keras_dist._keras._optimizer import slot_reference as slot_reference
 from keras_dist._keras._saving import install_saving_hook
