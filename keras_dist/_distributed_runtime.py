@@ -83,6 +83,7 @@ def initialize(
             "Create the strategy at the top of the program. Received: this process "
             f"(task {process_id} of {num_processes}) already used JAX."
         )
+    _check_coordinator_address(coordinator_address, coordinator_task)
     if process_id == 0:
         # JAX starts the coordination service in process 0.
         check_coordinator_port(coordinator_address, coordinator_task)
@@ -109,6 +110,20 @@ def initialize(
 
 
 # --- The coordinator's port --------------------------------------------------------------
+
+
+def _check_coordinator_address(coordinator_address, coordinator_task=None):
+    """Raises ``ValueError`` unless the address is ``host:port`` with a port JAX can bind
+    (a port like ``abc`` crashed gRPC, no port failed deep in JAX, as TF refuses them)."""
+    parsed = split_host_port(coordinator_address)
+    if parsed is not None and 0 < parsed[1] < 65536:
+        return
+    where = f" (the address of {coordinator_task}, in the cluster spec or TF_CONFIG)"
+    raise ValueError(
+        f"The coordinator address must be host:port with a port number from 1 to 65535"
+        f"{where if coordinator_task else ''}, e.g. '127.0.0.1:12345'. Received: "
+        f"{coordinator_address!r}"
+    )
 
 
 def check_coordinator_port(coordinator_address, coordinator_task=None):

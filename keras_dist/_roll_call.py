@@ -51,7 +51,7 @@ def roll_call(coordinator_address, num_processes, process_id, cluster, timeout, 
     names = list(names or (f"process {i}" for i in range(num_processes)))
     parsed = split_host_port(coordinator_address)
     if parsed is None:
-        return  # not host:port: JAX says so
+        return  # not host:port (``_distributed_runtime.initialize`` refuses it first)
     host, port = parsed
     deadline = time.monotonic() + timeout
     if process_id == 0:

@@ -23,6 +23,7 @@ import jax
 from keras import ops
 
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._context import has_strategy
 from keras_dist._context import running_replica_context
 from keras_dist._keras._internals import BaseOptimizer
 from keras_dist._keras._internals import JaxOptimizer
@@ -114,8 +115,15 @@ def _install_gradient_routing() -> None:
 
     @functools.wraps(_original_add_from_reference)
     def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        # A slot goes to its variable's strategy, as TF's slots do, even when the
+        # optimizer is built outside the scope (``optimizer.build(vars)`` after it).
+        strategy = getattr(reference_variable, "distribute_strategy", None)
+        scope = strategy.scope() if strategy is not None and not has_strategy() else None
         with set_for_block(_routing, "reference", reference_variable):
-            return _original_add_from_reference(self, reference_variable, *args, **kwargs)
+            if scope is None:
+                return _original_add_from_reference(self, reference_variable, *args, **kwargs)
+            with scope:
+                return _original_add_from_reference(self, reference_variable, *args, **kwargs)
 
     JaxOptimizer._backend_apply_gradients = _backend_apply_gradients
     BaseOptimizer.add_variable_from_reference = add_variable_from_reference

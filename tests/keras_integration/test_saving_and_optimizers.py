@@ -513,3 +513,26 @@ def test_optimizer_options_match_one_device(optimizer_kwargs):
     for a, b in zip(_optimizer_state(distributed), _optimizer_state(single)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     np.testing.assert_allclose(h4["loss"], h1["loss"], rtol=1e-5)
+
+
+def test_an_optimizer_built_outside_the_scope_makes_its_slots_in_the_strategy():
+    # Created in the scope, built after it (`optimizer.build(model.trainable_variables)`):
+    # TF makes the slots beside their variables; they were plain variables here, and fit
+    # refused the optimizer as "created outside the scope".
+    x = np.linspace(-1, 1, 32, dtype="float32").reshape(8, 4)
+    y = x.sum(axis=1, keepdims=True)
+
+    def train(strategy):
+        keras.utils.set_random_seed(5)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False)
+        return model.optimizer.variables
+
+    want = [np.asarray(v.numpy()) for v in train(None)]
+    got = train(kd.MirroredStrategy(cpus(4)))
+    assert [type(v).__name__ for v in got] == ["MirroredVariable"] * 4
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g.numpy()), w, rtol=1e-5, atol=1e-7)

@@ -194,3 +194,41 @@ def test_a_worker_alone_raises_naming_the_missing_one_instead_of_jaxs_abort(tmp_
     assert done.returncode == 3, output
     assert 'raised ["worker 1"] worker 1 did not join the cluster within 3 s' in output, output
     assert time.monotonic() - began < 60
+
+
+_BAD_ADDRESSES = textwrap.dedent(
+    """
+    import json, os, sys
+    import keras_dist as kd
+    for address, index in [("127.0.0.1:abc", 0), ("127.0.0.1:-5", 1), ("127.0.0.1", 0),
+                           ("127.0.0.1:99999", 1)]:
+        os.environ["TF_CONFIG"] = json.dumps({
+            "cluster": {"worker": [address, "127.0.0.1:1"]},
+            "task": {"type": "worker", "index": index},
+        })
+        try:
+            kd.MultiWorkerMirroredStrategy()
+        except ValueError as error:
+            print(error, flush=True)
+    """
+)
+
+
+def test_a_coordinator_address_without_a_port_number_is_refused_at_once(tmp_path):
+    # Before: gRPC crashed (status 139), JAX aborted from C++ after its timeout, or
+    # JAX raised IndexError; TF refuses them with InvalidArgumentError at once.
+    script = tmp_path / "bad.py"
+    script.write_text(_BAD_ADDRESSES)
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(lines) == 4, done.stdout + done.stderr
+    for line, address in zip(
+        lines, ["127.0.0.1:abc", "127.0.0.1:-5", "127.0.0.1", "127.0.0.1:99999"]
+    ):
+        assert line.startswith("The coordinator address must be host:port"), line
+        assert "(the address of worker 0, in the cluster spec or TF_CONFIG)" in line
+        assert line.endswith(f"Received: {address!r}")

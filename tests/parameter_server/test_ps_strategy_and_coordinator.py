@@ -811,3 +811,17 @@ def test_an_optimizer_built_by_its_first_scheduled_apply_keeps_its_slots_on_the_
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_an_optimizer_built_outside_the_scope_puts_its_slots_beside_their_variables(
+    three_ps,
+):
+    # TF colocates slots with their variables whatever scope builds the optimizer.
+    strategy = kd.ParameterServerStrategy(three_ps)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.RMSprop(0.1)
+    optimizer.build(model.trainable_variables)
+    slots = optimizer.variables[2:]
+    assert [slot.device for slot in slots] == [v.device for v in model.trainable_variables]
+    assert len({v.device for v in model.trainable_variables}) > 1
