@@ -264,6 +264,21 @@ class MultiWorkerExtended(MeshExtended):
             # this or a later read. ``fit``'s host work overlaps the running step.
             dispatch = PeerWatch(layout.task_names(), layout.process_id, timeout).dispatch
         super().__init__(container_strategy, local, mesh_devices=everyone, dispatch=dispatch)
+        if layout.num_workers > 1:  # TF's line, which names this task in every worker's log
+            self._log_layout(layout, local, options)
+
+    @staticmethod
+    def _log_layout(layout, local, options):
+        _log.info(
+            "MultiWorkerMirroredStrategy: this process is %s (process %d of %d), "
+            "coordinator %s, local devices %s, communication %s",
+            layout.task_names()[layout.process_id],
+            layout.process_id,
+            layout.num_workers,
+            layout.coordinator,
+            [str(d) for d in local],
+            options.implementation,
+        )
 
     @property
     def layout(self):

@@ -1037,3 +1037,25 @@ def test_local_results_inside_kd_function_are_this_workers():
     assert compiled_0 == eager_0 == [0.0, 1.0]
     assert compiled_1 == eager_1 == [2.0, 3.0]
     assert plain_0 == plain_1 == [[0, 7], [1, 7]]
+
+
+def _logs_its_layout():
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    kd.MultiWorkerMirroredStrategy()
+    return "ok"
+
+
+def test_each_worker_logs_which_task_it_is():
+    # TF's "MultiWorkerMirroredStrategy with cluster_spec = ..., task_type = 'worker',
+    # task_id = 1" line: a log started by hand says which task wrote it.
+    cluster = testing.create_cluster_spec(num_workers=2)
+    with testing.MultiProcessRunner(
+        _logs_its_layout, cluster, devices_per_worker=1, stream_output=False
+    ) as runner:
+        runner.start()
+        runner.join(timeout=TIMEOUT)
+        for index in range(2):
+            log = runner.logs("worker", index)
+            assert f"this process is worker {index} (process {index} of 2)" in log, log
