@@ -39,6 +39,7 @@ from keras_dist._engine._donation import copy_shared_storage
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._gate import GATE
+from keras_dist._engine._interrupts import interrupts_held
 from keras_dist._engine._lru_programs import ProgramCache
 from keras_dist._engine._repeat_call import RepeatCall
 from keras_dist._engine._repeat_call import StaleEntry
@@ -136,16 +137,17 @@ class _Entry:
         copy_shared_buffers(mirrored, sync_on_read, dynamic)  # an argument may alias state
         foreign = [extended.placement.replicate(v.value) for v in foreign_variables]
         arguments = self.layout.arguments(mirrored, sync_on_read, foreign, dynamic)
-        new_mirrored, new_sync_on_read, outputs, sums, replicated = extended.placement.execute(
-            self.compiled, *arguments, may_run_on=True
-        )
-        # Only the written variables come back; they are first (``zip`` stops there).
-        store = extended.store_computed
-        for variable, value in zip(mirrored_variables, new_mirrored):
-            store(variable, value)
-        self._stored.remember(new_mirrored + mirrored[written:])
-        for variable, value in zip(sync_on_read_variables, new_sync_on_read):
-            variable.store(value)
+        with interrupts_held():  # (the variables' arrays are donated until stored again)
+            new_mirrored, new_sync_on_read, outputs, sums, replicated = extended.placement.execute(
+                self.compiled, *arguments, may_run_on=True
+            )
+            # Only the written variables come back; they are first (``zip`` stops there).
+            store = extended.store_computed
+            for variable, value in zip(mirrored_variables, new_mirrored):
+                store(variable, value)
+            self._stored.remember(new_mirrored + mirrored[written:])
+            for variable, value in zip(sync_on_read_variables, new_sync_on_read):
+                variable.store(value)
         return self._outputs(outputs, sums, replicated)
 
     def _outputs(self, arrays, sums, replicated):

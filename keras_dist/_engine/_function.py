@@ -43,6 +43,7 @@ from keras_dist._engine._function_state import state_value as _state_value
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
+from keras_dist._engine._interrupts import interrupts_held
 from keras_dist._engine._next_element import is_argument_leaf
 from keras_dist._engine._next_element import with_next_elements
 from keras_dist._engine._retracing import RetraceMonitor
@@ -117,10 +118,11 @@ class _Program:
             execute = self._mesh.placement.execute
         else:
             execute = functools.partial(GATE.call, False)
-        new_state, outputs = execute(self.compiled, *self.layout.arguments(values, dynamic))
-        for (_, write), variable, value in zip(self._access, state, new_state):
-            write(variable, value)  # (only the written ones came back: the first)
-        self._stored.remember(new_state + values[len(new_state) :])
+        with interrupts_held():  # (the variables' arrays are donated until written again)
+            new_state, outputs = execute(self.compiled, *self.layout.arguments(values, dynamic))
+            for (_, write), variable, value in zip(self._access, state, new_state):
+                write(variable, value)  # (only the written ones came back: the first)
+            self._stored.remember(new_state + values[len(new_state) :])
         outputs = _rebuild(self.out_treedef, self.out_layout, outputs)
         return local_only(outputs) if self.cut_to_local else outputs
 
