@@ -51,7 +51,7 @@ class PeerWatch:
         timeout_seconds: how long one execution may take, dispatch included.
 
     >>> watch = PeerWatch(["worker 0"], 0, timeout_seconds=30)
-    >>> out, pending = watch.dispatch(lambda x: x + 1, 1)
+    >>> out, pending = watch.dispatch(lambda x: x + 1, 1, run_on=True)
     >>> pending.block_until_ready(); out
     2
     """
@@ -77,15 +77,17 @@ class PeerWatch:
                 raise
             self._fail(error, timed_out=False)
 
-    def dispatch(self, fn, *args):
+    def dispatch(self, fn, *args, run_on: bool = False):
         """``fn(*args)`` dispatched: its outputs, and a ``Pending`` that waits for them.
 
         On CPU a multi-process execution may block in its dispatch, so the
         dispatch itself runs on the watch's thread while the caller waits with
-        the deadline; the watch then waits for the execution to end, so the
-        caller may go on with host work meanwhile (``fit``'s next batch) and
-        wait with ``Pending.block_until_ready``. (``fn`` must not depend on the
-        caller's thread-local state: it is an already built program.)
+        the deadline. With ``run_on`` this returns once the execution is
+        dispatched: the watch waits for it to end while the caller goes on with
+        host work (``fit``'s next batch) and waits with ``Pending.block_until_ready``.
+        Otherwise it returns once the execution has ended (one wake-up, not two).
+        (``fn`` must not depend on the caller's thread-local state: it is an
+        already built program.)
         """
         if self._failure is not None:
             raise self._failure
@@ -94,13 +96,14 @@ class PeerWatch:
         def job():
             try:
                 pending.out = fn(*args)
-                pending.dispatched.set()
+                if run_on:
+                    pending.dispatched.set()
                 self._running = pending
                 _block_on_one_output(pending.out)
             except Exception as error:  # handed to the waiting caller
                 pending.error = error
-                pending.dispatched.set()
             self._running = None
+            pending.dispatched.set()
             pending.done.set()
 
         self._start_threads()

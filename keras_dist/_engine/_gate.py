@@ -39,20 +39,21 @@ class ExecutionGate:
         """``fn(*args)``: serialized with every other call when ``serialize``.
 
         With ``may_run_on`` (a compiled step's program) the execution may still
-        run when this returns, within ``deferring`` only. ``dispatch(fn, *args)``,
-        where given, dispatches instead and returns the outputs and what to wait
-        on (``PeerWatch.dispatch``: across processes, with a deadline).
+        run when this returns, within ``deferring`` only. ``dispatch(fn, *args,
+        run_on=...)``, where given, dispatches instead and returns the outputs and
+        what to wait on (``PeerWatch.dispatch``: across processes, with a deadline).
         """
         if not serialize:
             return fn(*args)
         with self._lock:
             self._wait()
+            run_on = may_run_on and getattr(self._deferring, "on", False)
             if dispatch is None:
                 out = fn(*args)
                 self._in_flight = _first_array(out)
             else:
-                out, self._in_flight = dispatch(fn, *args)
-            if not (may_run_on and getattr(self._deferring, "on", False)):
+                out, self._in_flight = dispatch(fn, *args, run_on=run_on)
+            if not run_on:
                 self._wait()
             return out
 

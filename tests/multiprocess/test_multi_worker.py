@@ -355,7 +355,7 @@ program = jax.jit(
     lambda x: jax.lax.while_loop(lambda x: x[0, 0] > -2.0, lambda x: jax.numpy.sin(x @ m), x)
 )
 watch = PeerWatch(["worker 0", "worker 1"], 0, timeout_seconds=1)
-out, pending = watch.dispatch(program, np.ones((64, 64), np.float32))
+out, pending = watch.dispatch(program, np.ones((64, 64), np.float32), run_on=True)
 print("dispatched", flush=True)
 np.asarray(out)  # a direct read: no deadline of its own
 print("read", flush=True)
