@@ -90,8 +90,7 @@ def install_optimizer_hook(apply_in_replica_context) -> None:
 
     @functools.wraps(_original_apply)
     def apply(self, grads, trainable_variables=None):
-        if not self.built and _routing.unbuilt is not None and trainable_variables is not None:
-            _routing.unbuilt(self, list(trainable_variables))
+        _tell_if_unbuilt(self, trainable_variables)
         replica_context = running_replica_context()
         if replica_context is None:
             return _original_apply(self, grads, trainable_variables)
@@ -137,6 +136,20 @@ def routing_gradients(handler):
     still counts the step). It returns False to let the update run as usual.
     """
     return set_for_block(_routing, "handler", handler)
+
+
+def _tell_if_unbuilt(optimizer, trainable_variables) -> None:
+    if not optimizer.built and _routing.unbuilt is not None and trainable_variables is not None:
+        _routing.unbuilt(optimizer, list(trainable_variables))
+
+
+def _telling_if_unbuilt(original):
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        _tell_if_unbuilt(self, trainable_variables)
+        return original(self, grads, trainable_variables)
+
+    return apply
 
 
 def on_unbuilt_apply(callback):
@@ -188,6 +201,7 @@ def _install_loss_scale_hook() -> None:
 
     check_finite._keras_dist_hook = True
     LossScaleOptimizer.check_finite = check_finite
+    LossScaleOptimizer.apply = _telling_if_unbuilt(LossScaleOptimizer.apply)  # (its own apply)
     LossScaleOptimizer.stateless_apply = _merged_stateless_apply(LossScaleOptimizer.stateless_apply)
     LossScaleOptimizer._common_apply = _apply_through_stateless(LossScaleOptimizer._common_apply)
 

@@ -770,6 +770,8 @@ def test_the_tutorials_kd_function_steps_schedule_and_run_on_the_coordinator(two
     [
         lambda: keras.optimizers.SGD(0.1, momentum=0.9),
         lambda: keras.optimizers.RMSprop(0.01),
+        # Its own `apply`, and an inner optimizer it builds.
+        lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
     ],
 )
 def test_an_optimizer_built_by_its_first_scheduled_apply_keeps_its_slots_on_the_ps(
