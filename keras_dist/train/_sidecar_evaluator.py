@@ -144,8 +144,9 @@ class SidecarEvaluator:
         for path in checkpoints_iterator(self.checkpoint_dir, timeout=self.timeout):
             try:
                 iterations = self._restore(path)
-            except (CheckpointUnreadableError, OSError, ValueError) as error:
-                # A checkpoint deleted (max_to_keep) or replaced while read: the next.
+            except (CheckpointUnreadableError, OSError) as error:
+                # A checkpoint deleted (max_to_keep) while read: the next one. (Another
+                # model's checkpoint raises: it is the wrong directory, not a race.)
                 _log.warning("SidecarEvaluator could not restore %s (%s); waiting.", path, error)
                 continue
             _log.info(

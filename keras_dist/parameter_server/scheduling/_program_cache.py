@@ -191,30 +191,9 @@ class ProgramCache:
                 signature.append(("array", array.shape, array.dtype.name))
             else:
                 signature.append(("static", static_key(leaf)))
-        while True:
-            variables = self._strategy.extended.live_variables()
-            # The function by its code and captures (held weakly): a closure made
-            # afresh for every schedule is traced once, as with tf.function.
-            key = (FunctionKey(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
-            with self._lock:
-                program = self._programs.get(key)
-                used = program.used_variables() if program is not None else None
-                unbuilt = None
-                if used is None:
-                    try:
-                        program = self._trace(fn, leaves, treedef, dynamic, per_worker, iterators)
-                    except _UnbuiltOptimizer as stop:
-                        unbuilt = stop
-                    else:
-                        self._programs = {k: p for k, p in self._programs.items() if k[0].alive}
-                        self._programs[key] = program
-                        used = program.used_variables()
-            if unbuilt is None:
-                break
-            # As TF makes an optimizer's slots on its first apply, on the ps tasks
-            # beside their variables: built here, outside the trace, then traced anew.
-            with self._strategy.scope():
-                unbuilt.optimizer.build(unbuilt.variables)
+        program, used = self._program_for(
+            fn, leaves, treedef, signature, dynamic, per_worker, iterators
+        )
         # Positions in the program's argument list, in leaf order.
         order = sorted([i for i, _ in dynamic] + [i for i, _ in per_worker])
         rank = {leaf_index: n for n, leaf_index in enumerate(order)}
@@ -226,6 +205,40 @@ class ProgramCache:
             self._strategy.extended.consistency_epoch,
             keep=used,
         )
+
+    def _program_for(self, fn, leaves, treedef, signature, dynamic, per_worker, iterators):
+        """The program for these arguments and the variables it uses, traced once per
+        signature and variable set."""
+        built = set()
+        while True:
+            variables = self._strategy.extended.live_variables()
+            # The function by its code and captures (held weakly): a closure made
+            # afresh for every schedule is traced once, as with tf.function.
+            key = (FunctionKey(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
+            with self._lock:
+                program = self._programs.get(key)
+                used = program.used_variables() if program is not None else None
+                if used is not None:
+                    return program, used
+                try:
+                    program = self._trace(fn, leaves, treedef, dynamic, per_worker, iterators)
+                except _UnbuiltOptimizer as stop:
+                    unbuilt = stop
+                else:
+                    self._programs = {k: p for k, p in self._programs.items() if k[0].alive}
+                    self._programs[key] = program
+                    return program, program.used_variables()
+            if id(unbuilt.optimizer) in built:  # (its build did not take: never loop)
+                raise RuntimeError(
+                    "An optimizer stayed unbuilt after `optimizer.build(...)`. Build it "
+                    "inside `strategy.scope()` before scheduling. Received: "
+                    f"{unbuilt.optimizer!r}"
+                )
+            built.add(id(unbuilt.optimizer))
+            # As TF makes an optimizer's slots on its first apply, on the ps tasks
+            # beside their variables: built here, outside the trace, then traced anew.
+            with self._strategy.scope():
+                unbuilt.optimizer.build(unbuilt.variables)
 
     def _trace(self, fn, leaves, treedef, dynamic, per_worker, iterators) -> Program:
         strategy = self._strategy
