@@ -264,7 +264,7 @@ class CompiledEngine:
         sorted_inputs = sort_inputs(
             leaves,
             per_replica=placement.as_stacked,
-            one_value=lambda x: placement.replicate(extended.unwrap_mirrored(x)),
+            one_value=lambda x: placement.as_argument(extended.unwrap_mirrored(x)),
         )
         return leaves, treedef, sorted_inputs
 

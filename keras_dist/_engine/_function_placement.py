@@ -10,6 +10,8 @@ result passed to a compiled step, would meet JAX's "incompatible devices".
 
 import jax
 
+from keras_dist._mesh import PlacedAlike
+
 
 def for_trace(x):
     """An array argument as the program is traced for it: an array on one device by its
@@ -22,11 +24,6 @@ def for_trace(x):
 class ProgramPlacement:
     """Where a program takes its array arguments; moves the ones committed elsewhere.
 
-    Whether a placement matches is decided once per (argument sharding, rank):
-    a step passes arrays placed alike on every call, and comparing two
-    shardings that differ only in name (``P("replica")`` and ``P()`` on one
-    device) costs more than the rest of the check.
-
     >>> import jax, numpy as np
     >>> placement = ProgramPlacement([jax.sharding.SingleDeviceSharding(jax.devices()[0])])
     >>> [x] = placement.of([jax.device_put(np.ones(2), jax.devices()[0])])
@@ -36,7 +33,7 @@ class ProgramPlacement:
 
     def __init__(self, shardings):
         self._shardings = shardings
-        self._matches: dict = {}  # (program's sharding, argument's sharding, rank) -> bool
+        self._placed_alike = PlacedAlike()
 
     def of(self, arrays) -> list:
         """``arrays`` (a program's array arguments) on the shardings it was compiled for."""
@@ -46,17 +43,7 @@ class ProgramPlacement:
         # ``None``: an argument the program never reads (``jax.jit`` drops it).
         if sharding is None or not isinstance(x, jax.Array) or not x.committed:
             return x
-        key = (sharding, x.sharding, x.ndim)
-        matches = self._matches.get(key)
-        if matches is None:
-            matches = x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
-            if len(self._matches) >= _MAX_REMEMBERED:
-                self._matches.clear()
-            self._matches[key] = matches
-        return x if matches else jax.device_put(x, sharding)
-
-
-_MAX_REMEMBERED = 64  # placements remembered per program (a step sees one or two)
+        return x if self._placed_alike(x, sharding) else jax.device_put(x, sharding)
 
 
 def on_first_device(x):

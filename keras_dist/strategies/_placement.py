@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._gate import needs_serializing
 from keras_dist._mesh import REPLICA_AXIS
+from keras_dist._mesh import PlacedAlike
 from keras_dist._mesh import replica_mesh
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._values import DistributedValues
@@ -73,6 +74,7 @@ class Placement:
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(REPLICA_AXIS))
         self._serialize = needs_serializing(mesh_devices)
+        self._placed_alike = PlacedAlike()
         self._dispatch = dispatch
         # Set by the strategy after construction: cross-process sums reduce with it.
         self.cross_device_ops = cross_device_ops
@@ -111,6 +113,16 @@ class Placement:
         if isinstance(value, jax.Array) and value.sharding == self.replicated:
             return value
         return self.put(value, self.replicated)
+
+    def as_argument(self, value):
+        """``value`` where a program takes a replicated argument: as it is if already there.
+
+        On one device an array of that device's own is there too, under another
+        sharding's name; ``replicate`` would copy it on every call.
+        """
+        if isinstance(value, jax.Array) and self._placed_alike(value, self.replicated):
+            return value
+        return self.replicate(value)
 
     def replicate_all(self, values: list) -> list:
         """``values`` each replicated on every replica's device (one batched transfer)."""
