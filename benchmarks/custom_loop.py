@@ -23,6 +23,7 @@ Prints one line: keras_dist steps/s, each baseline's steps/s, and the ratios
 """
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -36,6 +37,12 @@ parser.add_argument("--batch", type=int, default=64, help="global batch size")
 parser.add_argument("--steps", type=int, default=200, help="steps per timed repeat")
 parser.add_argument("--repeats", type=int, default=7)
 parser.add_argument("--function", action="store_true", help="the step as one @kd.function")
+parser.add_argument(
+    "--steps-per-call",
+    type=int,
+    default=1,
+    help="with --function: steps a call runs, each on next(iterator) (TF's multi-step loop)",
+)
 args = parser.parse_args()
 simulate_cpu_devices(args.devices)
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -67,6 +74,8 @@ def keras_dist_runner(strategy, batches):
     def step(batch):
         return strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), None)
 
+    if args.steps_per_call > 1:
+        return multi_step_runner(strategy, step, batches), weights_of(model)
     if args.function:
         step = kd.function(step)
 
@@ -76,7 +85,42 @@ def keras_dist_runner(strategy, batches):
             loss = step(dataset[i % len(dataset)])
         jax.block_until_ready(loss)
 
-    return run, [w.numpy() for w in model.trainable_variables]
+    return run, weights_of(model)
+
+
+def weights_of(model):
+    return [w.numpy() for w in model.trainable_variables]
+
+
+class _Forever:
+    """The batches over and over (a re-iterable, as ``experimental_distribute_dataset`` takes)."""
+
+    def __init__(self, batches):
+        self._batches = batches
+
+    def __iter__(self):
+        return itertools.cycle(self._batches)
+
+
+def multi_step_runner(strategy, step, batches):
+    """TF's multi-step loop: ``--steps-per-call`` steps in one ``@kd.function`` call, each
+    on ``next(iterator)`` (one dispatch for them all)."""
+    iterator = iter(strategy.experimental_distribute_dataset(_Forever(batches)))
+    per_call = args.steps_per_call
+
+    @kd.function
+    def steps_of(iterator):
+        for _ in range(per_call):
+            loss = step(next(iterator))
+        return loss
+
+    def run(steps):
+        loss = None
+        for _ in range(max(1, steps // per_call)):
+            loss = steps_of(iterator)
+        jax.block_until_ready(loss)
+
+    return run
 
 
 def jit_runner(devices, batches, initial_weights):
@@ -195,8 +239,11 @@ def main():
         return statistics.median(a / b for a, b in zip(rates["ours"], rates[baseline]))
 
     median = {name: statistics.median(values) for name, values in rates.items()}
+    mode = "@kd.function" if args.function else "strategy.run"
+    if args.steps_per_call > 1:
+        mode = f"@kd.function of {args.steps_per_call} steps on next(iterator)"
     print(
-        f"custom_loop: keras_dist {'@kd.function' if args.function else 'strategy.run'} "
+        f"custom_loop: keras_dist {mode} "
         f"{median['ours']:.0f} steps/s, hand-written jax.jit {median['jit']:.0f} steps/s, "
         f"ratio {ratio('jit'):.2f} (target >= 0.9); Keras's own jit step "
         f"{median['keras']:.0f} steps/s, ratio {ratio('keras'):.2f} "

@@ -11,10 +11,13 @@ variables the code reads, writes, or whose strategy runs a replica function,
 and the function is traced again with them as state (as ``tf.function`` traces
 again when a first call creates variables). Per-replica inputs of different
 shapes (a partial last batch) run the Python function as it is: every
-``strategy.run`` in it then compiles per shape on its own. So does, from then
-on, a function that reads a distributed dataset or iterator itself (a ``for``
-loop over a dataset, two ``next`` of an iterator argument,
-``get_next_as_optional``): a program would keep the batches its trace read.
+``strategy.run`` in it then compiles per shape on its own. An iterator
+argument's next elements are read before the call and become inputs, as many
+as the body takes (TF's loop of steps on ``next(iterator)`` is one program:
+``_next_element.py``). A function that reads a distributed dataset or iterator
+otherwise (a ``for`` loop over a dataset, ``get_next_as_optional``, an iterator
+it closes over) runs as Python from then on: a program would keep the batches
+its trace read.
 """
 
 import collections
@@ -23,7 +26,6 @@ import functools
 import weakref
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from keras_dist import _context
@@ -34,9 +36,10 @@ from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
+from keras_dist._engine._function_outputs import flatten_outputs
+from keras_dist._engine._function_outputs import rebuild_outputs
 from keras_dist._engine._function_placement import ProgramPlacement
 from keras_dist._engine._function_placement import for_trace
-from keras_dist._engine._function_placement import on_first_device
 from keras_dist._engine._function_state import holding as _holding
 from keras_dist._engine._function_state import keeping as _keeping
 from keras_dist._engine._function_state import state_access as _state_access
@@ -45,24 +48,28 @@ from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
 from keras_dist._engine._interrupts import interrupts_held
+from keras_dist._engine._next_element import ReadsMore
+from keras_dist._engine._next_element import check_reads
 from keras_dist._engine._next_element import is_argument_leaf
+from keras_dist._engine._next_element import put_back
 from keras_dist._engine._next_element import with_next_elements
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._engine._state_layout import StateLayout
 from keras_dist._input import DistributedIterator
 from keras_dist._input import EndOfInput
-from keras_dist._keras import KerasVariable
 from keras_dist._keras import initialize_pending_variables
 from keras_dist._keras import pending_variables
 from keras_dist._values import DistributedValues
 from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
-from keras_dist._values._local_results import LocalResults
 from keras_dist._values._local_results import local_only
 from keras_dist._values._variables import DistributedVariable
 from keras_dist.config import _switches as _config
 
 _MAX_TRACES = 6
+# Elements a call reads from its iterator arguments, at most: each is a step of the
+# program, unrolled (TF's `tf.range` loop is one loop), so more run as Python.
+_MAX_READS = 100
 
 
 # What stops a trace of the whole function; the function then runs its Python.
@@ -127,7 +134,7 @@ class _Program:
             for (_, write), variable, value in zip(self._access, state, new_state):
                 write(variable, value)  # (only the written ones came back: the first)
             self._stored.remember(new_state + values[len(new_state) :])
-        outputs = _rebuild(self.out_treedef, self.out_layout, outputs)
+        outputs = rebuild_outputs(self.out_treedef, self.out_layout, outputs)
         return local_only(outputs) if self.cut_to_local else outputs
 
     def _keep_placed(self, state, values) -> None:
@@ -142,10 +149,6 @@ class _Program:
         for keep, variable, value in zip(self._keep, state[first:], values[first:]):
             if keep is not None and variable.stored() is not value:
                 keep(variable, value)
-
-
-def _traced(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
 
 
 class _Liveness:
@@ -196,53 +199,6 @@ def _versions(extendeds) -> tuple:
     return tuple(e.variable_state().version for e in extendeds)
 
 
-_PER_REPLICA, _MIRRORED, _ARRAY = object(), object(), object()
-
-
-def _flatten_outputs(outputs):
-    leaves, treedef = jax.tree_util.tree_flatten(outputs, is_leaf=_is_output_leaf)
-    arrays, layout = [], []
-    for leaf in leaves:
-        if isinstance(leaf, KerasVariable):
-            leaf = leaf.value
-        if isinstance(leaf, PerReplica) and _traced(leaf.stacked):
-            arrays.append((leaf.stacked, leaf.replica_sum))
-            layout.append(_PER_REPLICA)
-        elif isinstance(leaf, Mirrored) and _traced(leaf.replicated):
-            arrays.append(leaf.replicated)
-            layout.append(_MIRRORED)
-        elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or _traced(leaf):
-            arrays.append(jnp.asarray(leaf))
-            layout.append(_ARRAY)
-        else:
-            layout.append(leaf)
-    nodes = jax.tree_util.tree_leaves(outputs, is_leaf=lambda x: isinstance(x, LocalResults))
-    cut_to_local = any(isinstance(x, LocalResults) for x in nodes)
-    return arrays, (treedef, layout, cut_to_local)
-
-
-def _rebuild(treedef, layout, arrays):
-    arrays = iter(arrays)
-    leaves = []
-    for slot in layout:
-        if slot is _PER_REPLICA:
-            stacked, total = next(arrays)
-            value = PerReplica(None, _stacked=stacked, _validate=False)
-            value.replica_sum = total
-            leaves.append(value)
-        elif slot is _MIRRORED:
-            leaves.append(Mirrored(None, _replicated=next(arrays), _validate=False))
-        elif slot is _ARRAY:
-            leaves.append(on_first_device(next(arrays)))
-        else:
-            leaves.append(slot)
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _is_output_leaf(x):
-    return x is None or isinstance(x, (DistributedValues, KerasVariable))
-
-
 class Function:
     """A Python function compiled whole, once per input signature (``tf.function``).
 
@@ -279,6 +235,9 @@ class Function:
         self._code = FunctionKey(python_function).code
         # Set once a trace read a dataset or iterator itself: each call runs the Python.
         self._runs_as_python = False
+        # How many elements a call takes from each iterator argument, learned from a
+        # trace (``ReadsMore``), by the signature of the other arguments.
+        self._reads: dict = {}
 
     def __get__(self, instance, owner=None):
         if instance is None:
@@ -301,6 +260,9 @@ class Function:
         return self._tracing_count
 
     def __call__(self, *args, **kwargs):
+        return self._call(args, kwargs)
+
+    def _call(self, args, kwargs, relearned=False):
         inside = _context.current_function_trace() is not None
         inside = inside or _context.current_frame().engine is not None  # in a replica's run
         if inside or _config.functions_run_eagerly() or _scheduled_on_workers():
@@ -311,9 +273,10 @@ class Function:
         given, read_ahead = (args, kwargs), []
         if any(isinstance(x, DistributedIterator) for x in leaves):
             # TF's `train_step(iterator)` with `next(iterator)` inside: the iterator's
-            # next element is read here and becomes an input of the program.
+            # next elements are read here and become inputs of the program.
+            reads_key = _reads_key(leaves, treedef)
             try:
-                args, kwargs = with_next_elements(given, read_ahead)
+                args, kwargs = with_next_elements(given, read_ahead, self._reads.get(reads_key))
             except StopIteration:
                 # At the end the body decides, as TF's program does: `next` raises
                 # OutOfRange, a `get_next_as_optional` loop returns.
@@ -341,6 +304,14 @@ class Function:
         self._retraces.traced(code, (None, key[1], key[2]))
         try:
             program = self._build(treedef, leaves, kinds, dynamic)
+        except ReadsMore as more:
+            # The trace took more (or fewer) elements than were read: read as many.
+            put_back(read_ahead)
+            if relearned or max(more.counts) > _MAX_READS:
+                self._runs_as_python = True
+                return self._run_python(*given)
+            self._reads[reads_key] = more.counts
+            return self._call(*given, relearned=True)
         except _RUNS_AS_PYTHON:
             # The Python reads its input itself, or needs an input's value (TF's
             # `for _ in tf.range(steps)` ported as `range(steps)`): it runs as it
@@ -353,8 +324,7 @@ class Function:
     def _run_python(self, args, kwargs, read_ahead=()):
         """The Python function on the caller's arguments; elements read ahead for a
         program go back to their iterators first (the Python reads them itself)."""
-        for iterator, element in read_ahead:
-            iterator.put_back(element)
+        put_back(list(read_ahead))
         try:
             return self.python_function(*args, **kwargs)
         except StopIteration as error:
@@ -383,8 +353,8 @@ class Function:
                 traced = jax.jit(traceable, donate_argnums=0).trace(
                     values, [for_trace(x) for x in dynamic]
                 )
-            except _RUNS_AS_PYTHON:
-                _initialize_created(trace)  # the Python that runs instead uses them
+            except (ReadsMore, *_RUNS_AS_PYTHON):
+                _initialize_created(trace)  # the Python that runs (or traces) next uses them
                 raise
             again = _initialize_created(trace) or trace.created_variables
             for extended in trace.extendeds:
@@ -429,8 +399,9 @@ class Function:
             trace.scope = scope
             with _context.function_trace(trace), scope:
                 outputs = self.python_function(*args, **kwargs)
+                check_reads((args, kwargs))  # (iterator arguments: as many read as taken)
                 # In the scope: a returned variable gives its value as the function left it.
-                arrays, self._out_record = _flatten_outputs(outputs)
+                arrays, self._out_record = flatten_outputs(outputs)
             self._unchanged = [scope.state_mapping[id(v)] is x for v, x in zip(state, state_values)]
             # New values keep their variables' shardings: no resharding next step.
             new_state = [
@@ -462,6 +433,17 @@ def _keep_sharding(new, sharding):
     if sharding is None:
         return new
     return jax.lax.with_sharding_constraint(new, sharding)
+
+
+def _reads_key(leaves, treedef):
+    """What decides how many elements a call reads: the arguments but the iterators
+    and arrays (a Python ``steps`` among them)."""
+    statics = [
+        static_key(x)
+        for x in leaves
+        if not isinstance(x, DistributedIterator) and _classify(x)[0] is None
+    ]
+    return treedef, tuple(statics)
 
 
 def _classify(leaf):

@@ -1,10 +1,14 @@
-"""Iterator arguments of a ``kd.function``: each call's next element becomes a program input.
+"""Iterator arguments of a ``kd.function``: each call's next elements become program inputs.
 
 TF's ``train_step(iterator)`` with ``next(iterator)`` inside compiles to a
-program that reads the iterator. Here the element is read before the call and
-passed as an input; inside the trace the iterator argument is a
-``_NextElement`` that hands it out once. Reading more (a second ``next``, a
-loop on ``get_next_as_optional``) raises ``InputReadInTrace``: the function
+program that reads the iterator, and so does its way of running several steps
+a call (``for _ in tf.range(steps): strategy.run(step_fn, args=(next(iterator),))``,
+ported with a Python ``range``). Here the elements are read before the call and
+passed as inputs; inside the trace the iterator argument is a ``_NextElements``
+that hands them out in order. How many a call takes is learned from a trace
+(``ReadsMore``) and remembered per signature of the other arguments: a call
+then reads exactly that many, and a program of ``k`` steps is one dispatch.
+A loop on ``get_next_as_optional`` raises ``InputReadInTrace``: the function
 then runs its Python on each call, reading the real iterator.
 """
 
@@ -21,30 +25,45 @@ def is_argument_leaf(x):
     return x is None or isinstance(x, (DistributedValues, KerasVariable))
 
 
+class ReadsMore(BaseException):  # noqa: N818 (not an error: the call starts again)
+    """A trace took another number of elements from its iterator arguments than were read.
+
+    ``counts``: how many each iterator argument took, in the arguments' order.
+    """
+
+    def __init__(self, counts: tuple):
+        super().__init__(counts)
+        self.counts = counts
+
+
 @jax.tree_util.register_pytree_node_class
-class _NextElement:
-    """An iterator argument inside a ``kd.function``: ``next()`` gives the element read for it."""
+class _NextElements:
+    """An iterator argument inside a ``kd.function``: ``next()`` gives the elements read for it.
+
+    Past them it counts the calls and gives the last one again (the trace is
+    then done again with as many read: ``check_reads``).
+    """
 
     def tree_flatten(self):
-        return (self._element,), None
+        return tuple(self._elements), len(self._elements)
 
     @classmethod
     def tree_unflatten(cls, _, children):
-        return cls(children[0])
+        return cls(list(children))
 
-    def __init__(self, element):
-        self._element = element
-        self._taken = False
+    def __init__(self, elements: list):
+        self._elements = elements
+        self.taken = 0
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self._taken:
-            # A second element in one call (a loop of steps): read by the Python.
-            raise InputReadInTrace()
-        self._taken = True
-        return self._element
+        if self.taken >= len(self._elements) and not self._elements:
+            raise InputReadInTrace()  # (a stand-in needs one element read)
+        element = self._elements[min(self.taken, len(self._elements) - 1)]
+        self.taken += 1
+        return element
 
     get_next = __next__
 
@@ -52,20 +71,51 @@ class _NextElement:
         raise InputReadInTrace()  # a loop to the end of the data: read by the Python
 
 
-def with_next_elements(structure, read_ahead: list):
-    """``structure`` with each distributed iterator in it replaced by its next element.
+def check_reads(structure) -> None:
+    """Raises ``ReadsMore`` if an iterator argument in ``structure`` (as a trace got it)
+    handed out another number of elements than it was given."""
+    readers = [
+        x
+        for x in jax.tree_util.tree_leaves(structure, is_leaf=_is_reader)
+        if isinstance(x, _NextElements)
+    ]
+    counts = tuple(r.taken for r in readers)
+    if counts != tuple(len(r._elements) for r in readers):
+        raise ReadsMore(counts)
 
-    Appends ``(iterator, element)`` to ``read_ahead`` for each element read.
+
+def _is_reader(x):
+    return isinstance(x, _NextElements) or is_argument_leaf(x)
+
+
+def with_next_elements(structure, read_ahead: list, counts=None):
+    """``structure`` with each distributed iterator in it replaced by its next elements.
+
+    ``counts[i]`` elements for the ``i``-th iterator (one each if ``None``).
+    Appends ``(iterator, element)`` to ``read_ahead`` for each element read;
+    past the end puts them back and raises ``StopIteration``.
     """
     leaves, treedef = jax.tree_util.tree_flatten(structure, is_leaf=is_argument_leaf)
+    position = 0
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, DistributedIterator):
-            try:
-                element = leaf.get_next()  # past the end: OutOfRangeError, as TF's call
-            except StopIteration:
-                for iterator, read in read_ahead:  # the call does not happen: unread
-                    iterator.put_back(read)
-                raise
-            read_ahead.append((leaf, element))
-            leaves[i] = _NextElement(element)
+            count = 1 if counts is None else counts[position]
+            position += 1
+            elements = []
+            for _ in range(count):
+                try:
+                    element = leaf.get_next()  # past the end: OutOfRangeError, as TF's call
+                except StopIteration:
+                    put_back(read_ahead)  # the call does not happen: unread
+                    raise
+                read_ahead.append((leaf, element))
+                elements.append(element)
+            leaves[i] = _NextElements(elements)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def put_back(read_ahead: list) -> None:
+    """Returns the elements read ahead to their iterators, the first read next again."""
+    for iterator, element in reversed(read_ahead):
+        iterator.put_back(element)
+    read_ahead.clear()

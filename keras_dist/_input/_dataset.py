@@ -63,7 +63,9 @@ class DistributedIterator:
     def __init__(self, next_fn):
         self._next_fn = next_fn
         self._element_spec = None
-        self._peeked = _NOTHING  # the element `element_spec` read ahead, not yet returned
+        # Elements read ahead and not yet returned, the next one last (``element_spec``
+        # reads one; a ``kd.function`` puts back those it read for a call run as Python).
+        self._put_back: list = []
 
     def __iter__(self):
         return self
@@ -79,9 +81,8 @@ class DistributedIterator:
                 f"inside `run` of {type(replica_context.strategy).__name__}."
             )
         refuse_input_read_in_trace()
-        if self._peeked is not _NOTHING:
-            value, self._peeked = self._peeked, _NOTHING
-            return value
+        if self._put_back:
+            return self._put_back.pop()
         value = self._next_fn()
         if self._element_spec is None:
             self._element_spec = _spec_of(value)
@@ -103,10 +104,8 @@ class DistributedIterator:
 
     def put_back(self, element) -> None:
         """Makes ``element`` the next one again (a ``kd.function`` that read it ahead for a
-        call, then ran that call as Python)."""
-        if self._peeked is not _NOTHING:
-            raise RuntimeError("Only one element can be put back into a distributed iterator.")
-        self._peeked = element
+        call, then ran that call as Python). Put several back last one first."""
+        self._put_back.append(element)
 
     def get_next_as_optional(self) -> "Optional":
         """The next element as an ``Optional``, empty at the end of the data."""
@@ -122,9 +121,9 @@ class DistributedIterator:
         Known before the first ``get_next``, as in TF: the first element is read
         ahead and kept for it. ``None`` when the data is empty.
         """
-        if self._element_spec is None and self._peeked is _NOTHING:
+        if self._element_spec is None and not self._put_back:
             try:
-                self._peeked = next(self)
+                self._put_back.append(next(self))
             except StopIteration:
                 return None
         return self._element_spec
@@ -182,10 +181,13 @@ class DistributedDataset:
             return cls(lambda: _ahead(rebatched(), options))
         splitter = GlobalBatchSplitter(extended, strided=True)
         whole = _whole_for_one_replica(strategy)
+        split = lambda batch: whole(splitter(batch))  # noqa: E731
+        if strategy.num_replicas_in_sync == 1 and not extended.spans_processes:
+            split = splitter.whole  # (not stacked for a mesh, then taken apart again)
 
         def make_next_fn():
             iterator = _passes(dataset)
-            return _ahead(lambda: whole(splitter(next(iterator))), options)
+            return _ahead(lambda: split(next(iterator)), options)
 
         return cls(make_next_fn)
 

@@ -54,22 +54,7 @@ class GlobalBatchSplitter:
     def __call__(self, batch):
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         leaves = [_as_array(x) for x in leaves]
-        sizes = {x.shape[0] if x.ndim else None for x in leaves}
-        if None in sizes or len(sizes) != 1:
-            raise ValueError(
-                "Every array of a global batch needs the same leading (batch) dimension "
-                "to be split between replicas. Batch the dataset first. Received: "
-                f"shapes={[x.shape for x in leaves]}"
-            )
-        (size,) = sizes
-        if size == 0:
-            # Only a whole global batch with no rows is an error: a partial last
-            # batch smaller than the replica count still gives some replicas 0 rows.
-            raise ValueError(
-                "A global batch has 0 rows, so there is nothing to split between the "
-                "replicas. Remove empty batches from the dataset (or filter them out "
-                f"before distributing it). Received: shapes={[x.shape for x in leaves]}"
-            )
+        size = _rows(leaves)
         n = self._extended.num_replicas_in_sync
         if size % n == 0:
             split = [self._stacked(x, n) for x in leaves]
@@ -89,6 +74,15 @@ class GlobalBatchSplitter:
                 split.append(value)
         return jax.tree_util.tree_unflatten(treedef, split)
 
+    def whole(self, batch):
+        """One replica's batch, as TF hands it to the step: the arrays themselves, on its
+        device (one transfer for them all; one process only)."""
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        leaves = [_as_array(x) for x in leaves]
+        _rows(leaves)
+        placed = jax.device_put(leaves, self._extended.local_devices[0])
+        return jax.tree_util.tree_unflatten(treedef, placed)
+
     def _stacked(self, x, n):
         (stacked,) = stacked_rows([x], n)
         if self._extended.spans_processes:
@@ -99,6 +93,27 @@ class GlobalBatchSplitter:
         if not (self._on_host and isinstance(stacked, np.ndarray)):
             stacked = jax.device_put(stacked, self._extended.placement.split)
         return PerReplica(None, _stacked=stacked)
+
+
+def _rows(leaves) -> int:
+    """The rows of a global batch's arrays; raises unless they share a leading dimension > 0."""
+    sizes = {x.shape[0] if x.ndim else None for x in leaves}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError(
+            "Every array of a global batch needs the same leading (batch) dimension "
+            "to be split between replicas. Batch the dataset first. Received: "
+            f"shapes={[x.shape for x in leaves]}"
+        )
+    (size,) = sizes
+    if size == 0:
+        # Only a whole global batch with no rows is an error: a partial last
+        # batch smaller than the replica count still gives some replicas 0 rows.
+        raise ValueError(
+            "A global batch has 0 rows, so there is nothing to split between the "
+            "replicas. Remove empty batches from the dataset (or filter them out "
+            f"before distributing it). Received: shapes={[x.shape for x in leaves]}"
+        )
+    return size
 
 
 def splits_evenly(leaves, n: int) -> bool:

@@ -1,11 +1,12 @@
 """A ``kd.function`` that reads its input itself reads it afresh on every call, as TF's.
 
 TF's "Distributed input" tutorial loops over a distributed dataset inside a
-``tf.function``, and over ``get_next_as_optional()``; its custom loops call
-``next(iterator)`` several times per call. A program would keep the batches
-its trace read, so such a function runs its Python on each call (each
-``strategy.run`` in it compiled). The expected numbers are TF 2.21's on 4
-logical CPUs, or those of the same loop run without ``kd.function``.
+``tf.function``, and over ``get_next_as_optional()``. A program would keep the
+batches its trace read, so such a function runs its Python on each call (each
+``strategy.run`` in it compiled). Its custom loops also call ``next(iterator)``
+several times per call: those elements are read before the call, as many as the
+body takes, and the steps compile into one program. The expected numbers are
+TF 2.21's on 4 logical CPUs, or those of the same loop run without ``kd.function``.
 """
 
 import keras
@@ -270,3 +271,84 @@ def test_a_loop_over_a_step_count_argument_runs_as_tfs_multi_step_function():
         return x * 2.0 if x > 0 else -x  # Python control flow on an input's value
 
     assert [float(positive(np.float32(v))) for v in (3.0, -1.0)] == [6.0, 1.0]
+
+
+def _model_and_optimizer(strategy):
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    return model, optimizer
+
+
+def _replica_step(strategy, model, optimizer):
+    def step_fn(x):
+        def loss_fn():
+            return kd.nn.compute_average_loss(
+                keras.ops.sum(model(x) ** 2, axis=1), global_batch_size=8
+            )
+
+        loss, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    def step(batch):
+        return strategy.reduce("SUM", strategy.run(step_fn, args=(batch,)), axis=None)
+
+    return step
+
+
+def test_a_loop_of_steps_on_next_is_one_program_with_the_steps_values():
+    # TF's multi-step loop with a Python count (`steps_per_execution` of a custom loop):
+    # one program of `steps` steps a call, each on the next element, as many read as taken.
+    strategy = kd.MirroredStrategy(cpus(2))
+    rng = np.random.RandomState(0)
+    data = [rng.rand(8, 3).astype("float32") for _ in range(8)] + [rng.rand(5, 3).astype("float32")]
+
+    model, optimizer = _model_and_optimizer(strategy)
+    step = _replica_step(strategy, model, optimizer)
+
+    @kd.function
+    def train_steps(iterator, steps):
+        losses = []
+        for _ in range(steps):
+            losses.append(step(next(iterator)))
+        return losses
+
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    losses = [float(x) for x in train_steps(iterator, 3)] + [
+        float(x) for x in train_steps(iterator, 3)
+    ]
+    assert train_steps.experimental_get_tracing_count() == 1  # compiled, not run as Python
+    losses += [float(x) for x in train_steps(iterator, 2)]  # another count: another program
+    assert train_steps.experimental_get_tracing_count() == 2
+    # One full batch and the partial one are left: the call runs as Python, reads both,
+    # and raises at the end, as TF's program does after its steps ran.
+    with pytest.raises(kd.errors.OutOfRangeError):
+        train_steps(iterator, 3)
+
+    reference, ref_optimizer = _model_and_optimizer(strategy)
+    ref_step = _replica_step(strategy, reference, ref_optimizer)
+    expected = [float(ref_step(batch)) for batch in strategy.experimental_distribute_dataset(data)]
+    np.testing.assert_allclose(losses, expected[:8], rtol=1e-6)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert int(optimizer.iterations) == int(ref_optimizer.iterations) == 9
+
+
+def test_more_steps_a_call_than_unrolled_run_as_python_with_the_same_values():
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        total = keras.Variable(0.0, aggregation="sum")
+    data = [np.full(2, float(i), "float32") for i in range(120)]
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+
+    @kd.function
+    def add_steps(iterator, steps):
+        for _ in range(steps):
+            strategy.run(lambda x: total.assign_add(keras.ops.sum(x)), args=(next(iterator),))
+        return total.value
+
+    assert float(add_steps(iterator, 101)) == 2.0 * sum(range(101))
+    assert add_steps.experimental_get_tracing_count() == 0  # 101 steps would be unrolled
+    assert float(add_steps(iterator, 19)) == 2.0 * sum(range(120))
