@@ -301,7 +301,8 @@ class Function:
             self._programs.move_to_end(key)
             self._retraces.hit(code)
             return self._locked(program, dynamic)
-        self._retraces.traced(code, (None, key[1], key[2]))
+        if not relearned:  # (the trace that learned the reads counted already)
+            self._retraces.traced(code, (None, key[1], key[2]))
         try:
             program = self._build(treedef, leaves, kinds, dynamic)
         except ReadsMore as more:

@@ -25,6 +25,7 @@ _PER_REPLICA, _MIRRORED, _ARRAY = object(), object(), object()
 
 
 def flatten_outputs(outputs):
+    """``(arrays, record)``: the traced ``outputs``' arrays, and how to rebuild them."""
     leaves, treedef = jax.tree_util.tree_flatten(outputs, is_leaf=_is_output_leaf)
     arrays, layout = [], []
     for leaf in leaves:
@@ -47,6 +48,7 @@ def flatten_outputs(outputs):
 
 
 def rebuild_outputs(treedef, layout, arrays):
+    """The outputs as the function returned them, from a call's ``arrays`` and the record."""
     arrays = iter(arrays)
     leaves = []
     for slot in layout:

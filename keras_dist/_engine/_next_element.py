@@ -55,11 +55,16 @@ class _NextElements:
         self._elements = elements
         self.taken = 0
 
+    @property
+    def given(self) -> int:
+        """How many elements were read for the call."""
+        return len(self._elements)
+
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self.taken >= len(self._elements) and not self._elements:
+        if not self._elements:
             raise InputReadInTrace()  # (a stand-in needs one element read)
         element = self._elements[min(self.taken, len(self._elements) - 1)]
         self.taken += 1
@@ -80,7 +85,7 @@ def check_reads(structure) -> None:
         if isinstance(x, _NextElements)
     ]
     counts = tuple(r.taken for r in readers)
-    if counts != tuple(len(r._elements) for r in readers):
+    if counts != tuple(r.given for r in readers):
         raise ReadsMore(counts)
 
 
