@@ -36,6 +36,7 @@ from keras_dist._engine._compiled_replica import local_part as _local_part
 from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._donation import copy_shared_storage
+from keras_dist._engine._donation import keep_placed
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._gate import GATE
@@ -108,6 +109,7 @@ class _Entry:
         self._bounds = (len(mirrored), len(mirrored) + len(sync_on_read))
         self.out_treedef, self.out_layout, self.has_sum, self.joined, self.stacked_out = record.out
         self._stored = StoredOutputs()
+        self._keeps_placed = True  # (not where variables are stored apart: ``keep_placed``)
 
     def _variables(self) -> tuple:
         """The threaded variables as ``(mirrored, sync_on_read, foreign)`` lists."""
@@ -130,9 +132,8 @@ class _Entry:
             copy_shared_storage(mirrored_variables, mirrored)
             # Variables that only go in keep the arrays placed for the program,
             # so that the next call finds them as it left them.
-            for variable, value in zip(mirrored_variables[written:], mirrored[written:]):
-                if variable.stored() is not value:
-                    extended.store_computed(variable, value)
+            if self._keeps_placed:
+                self._keeps_placed = keep_placed(mirrored_variables[written:], mirrored[written:])
         sync_on_read = [v.stored() for v in sync_on_read_variables]
         copy_shared_buffers(mirrored, sync_on_read, dynamic)  # an argument may alias state
         foreign = [extended.placement.replicate(v.value) for v in foreign_variables]

@@ -46,6 +46,24 @@ def copy_shared_buffers(*lists):
             seen.add(id(value))
 
 
+def keep_placed(variables, values) -> bool:
+    """Stores each of ``values``, a read-only mirrored variable's array placed for a
+    program, in its variable; whether the strategy kept them as they are.
+
+    Otherwise a variable stored elsewhere (the learning rate, made on one device) is
+    placed anew on every call, and the program reads every variable again, since
+    they no longer hold the arrays its last call left. A strategy that stores
+    variables apart (on a central device) moves them back instead: the caller
+    stops asking.
+    """
+    for variable, value in zip(variables, values):
+        if variable.stored() is not value:
+            variable.distribute_strategy.extended.store_computed(variable, value)
+            if variable.stored() is not value:
+                return False
+    return True
+
+
 class StoredOutputs:
     """Whether variables still hold the arrays a program's last call output for them.
 

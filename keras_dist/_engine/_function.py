@@ -34,6 +34,7 @@ from keras_dist._capabilities import RemoteScheduling
 from keras_dist._context import InputReadInTrace
 from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
+from keras_dist._engine._donation import keep_placed
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._function_outputs import flatten_outputs
@@ -41,7 +42,6 @@ from keras_dist._engine._function_outputs import rebuild_outputs
 from keras_dist._engine._function_placement import ProgramPlacement
 from keras_dist._engine._function_placement import for_trace
 from keras_dist._engine._function_state import holding as _holding
-from keras_dist._engine._function_state import keeping as _keeping
 from keras_dist._engine._function_state import state_access as _state_access
 from keras_dist._engine._function_state import state_value as _state_value
 from keras_dist._engine._gate import GATE
@@ -64,6 +64,7 @@ from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
 from keras_dist._values._local_results import local_only
 from keras_dist._values._variables import DistributedVariable
+from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.config import _switches as _config
 
 _MAX_TRACES = 6
@@ -107,7 +108,10 @@ class _Program:
         self._access = [_state_access(v, extendeds) for v in state]
         self._held = [_holding(v) for v in state]
         self._read_only = layout.written(0)  # the variables after these are only read
-        self._keep = [_keeping(v) for v in state[self._read_only :]]
+        # Only mirrored variables' reads are their stored arrays, placed (``keep_placed``).
+        self._keeps_placed = [
+            i for i in range(self._read_only, len(state)) if _is_mirrored(state[i])
+        ]
         self._stored = StoredOutputs()
         # Where the program takes its array arguments (after the threaded state).
         self._placement = ProgramPlacement(compiled.input_shardings[0][-1])
@@ -120,7 +124,9 @@ class _Program:
         values = [held(v) for held, v in zip(self._held, state)]
         if not self._stored.unchanged(values):  # else the arrays this program's last call left
             values = [read(v) for (read, _), v in zip(self._access, state)]
-            self._keep_placed(state, values)
+            kept = self._keeps_placed
+            if kept and not keep_placed([state[i] for i in kept], [values[i] for i in kept]):
+                self._keeps_placed = []  # stored apart (a central device): they only move
         copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
         dynamic = self._placement.of(dynamic)
         if self._mesh is not None:
@@ -136,19 +142,6 @@ class _Program:
             self._stored.remember(new_state + values[len(new_state) :])
         outputs = rebuild_outputs(self.out_treedef, self.out_layout, outputs)
         return local_only(outputs) if self.cut_to_local else outputs
-
-    def _keep_placed(self, state, values) -> None:
-        """Variables the program only reads keep the arrays just placed for it.
-
-        Otherwise one stored elsewhere (the optimizer's learning rate, made on
-        one device, or set by a callback) is placed anew on every call, and
-        every variable is read again since the stored arrays are not those the
-        last call left: on one GPU, half a small step's speed.
-        """
-        first = self._read_only
-        for keep, variable, value in zip(self._keep, state[first:], values[first:]):
-            if keep is not None and variable.stored() is not value:
-                keep(variable, value)
 
 
 class _Liveness:
@@ -177,6 +170,12 @@ class _BoundFunction:
     def experimental_get_tracing_count(self) -> int:
         """How many programs this method has built for this instance."""
         return self._function.experimental_get_tracing_count()
+
+
+def _is_mirrored(variable) -> bool:
+    return isinstance(variable, DistributedVariable) and not isinstance(
+        variable, SyncOnReadVariable
+    )
 
 
 def _scheduled_on_workers() -> bool:
