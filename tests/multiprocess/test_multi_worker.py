@@ -1039,6 +1039,37 @@ def test_local_results_inside_kd_function_are_this_workers():
     assert plain_0 == plain_1 == [[0, 7], [1, 7]]
 
 
+def _multi_step_function_worker():
+    import keras
+
+    strategy = kd.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        total = keras.Variable(0.0, aggregation="sum")
+    data = [np.full(4, float(i), "float32") for i in range(7)] + [np.full(3, 100.0, "float32")]
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+
+    @kd.function
+    def add_steps(iterator, steps):
+        for _ in range(steps):
+            strategy.run(lambda x: total.assign_add(keras.ops.sum(x)), args=(next(iterator),))
+        return total.value
+
+    results = []
+    with pytest.raises(kd.errors.OutOfRangeError):
+        while True:
+            results.append(float(add_steps(iterator, 3)))
+    return results, float(total.value), add_steps.experimental_get_tracing_count()
+
+
+def test_a_loop_of_steps_on_next_is_one_program_on_every_worker():
+    # Every worker reads as many elements a call and agrees when the last call, with the
+    # partial batch of 3 rows, runs as Python: [0, 1, 2] then [3, 4, 5] as programs.
+    for results, total, traces in _launch(_multi_step_function_worker):
+        assert results == [12.0, 60.0]
+        assert total == 4.0 * sum(range(7)) + 300.0
+        assert traces == 1
+
+
 def _logs_its_layout():
     import logging
 
