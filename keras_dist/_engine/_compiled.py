@@ -36,6 +36,7 @@ from keras_dist._engine._compiled_replica import local_part as _local_part
 from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._donation import copy_shared_storage
+from keras_dist._engine._donation import copy_stored_arguments
 from keras_dist._engine._donation import keep_placed
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
@@ -128,6 +129,7 @@ class _Entry:
         mirrored = [v.stored() for v in mirrored_variables]
         written = self._written
         if not self._stored.unchanged(mirrored):
+            copy_stored_arguments(dynamic, mirrored)
             mirrored = [extended.compute_value(v) for v in mirrored_variables]
             copy_shared_storage(mirrored_variables, mirrored)
             # Variables that only go in keep the arrays placed for the program,

@@ -46,6 +46,22 @@ def copy_shared_buffers(*lists):
             seen.add(id(value))
 
 
+def copy_stored_arguments(arguments: list, stored: list) -> None:
+    """Copies each of ``arguments`` that is one of the variables' ``stored`` arrays.
+
+    Where a variable is read placed anew for a program, on one device the new
+    array can be the stored buffer under another sharding's name: an argument
+    that is the stored array itself (``strategy.run(fn, args=(w.value,))``) would
+    then share a buffer with the donated state, unseen by ``copy_shared_buffers``.
+    """
+    if not arguments:
+        return
+    ids = {id(x) for x in stored}
+    for i, argument in enumerate(arguments):
+        if id(argument) in ids:
+            arguments[i] = jnp.copy(argument)
+
+
 def keep_placed(variables, values) -> bool:
     """Stores each of ``values``, a read-only mirrored variable's array placed for a
     program, in its variable; whether the strategy kept them as they are.

@@ -21,6 +21,7 @@ its trace read.
 """
 
 import collections
+import collections.abc
 import contextlib
 import functools
 import weakref
@@ -34,6 +35,7 @@ from keras_dist._capabilities import RemoteScheduling
 from keras_dist._context import InputReadInTrace
 from keras_dist._engine._donation import StoredOutputs
 from keras_dist._engine._donation import copy_shared_buffers
+from keras_dist._engine._donation import copy_stored_arguments
 from keras_dist._engine._donation import keep_placed
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
@@ -48,7 +50,9 @@ from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
 from keras_dist._engine._interrupts import interrupts_held
+from keras_dist._engine._next_element import ReadCounts
 from keras_dist._engine._next_element import ReadsMore
+from keras_dist._engine._next_element import TooManyReads
 from keras_dist._engine._next_element import check_reads
 from keras_dist._engine._next_element import is_argument_leaf
 from keras_dist._engine._next_element import put_back
@@ -68,9 +72,6 @@ from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.config import _switches as _config
 
 _MAX_TRACES = 6
-# Elements a call reads from its iterator arguments, at most: each is a step of the
-# program, unrolled (TF's `tf.range` loop is one loop), so more run as Python.
-_MAX_READS = 100
 
 
 # What stops a trace of the whole function; the function then runs its Python.
@@ -123,6 +124,7 @@ class _Program:
         state = [r() for r in self._state]
         values = [held(v) for held, v in zip(self._held, state)]
         if not self._stored.unchanged(values):  # else the arrays this program's last call left
+            copy_stored_arguments(dynamic, values)
             values = [read(v) for (read, _), v in zip(self._access, state)]
             kept = self._keeps_placed
             if kept and not keep_placed([state[i] for i in kept], [values[i] for i in kept]):
@@ -234,9 +236,7 @@ class Function:
         self._code = FunctionKey(python_function).code
         # Set once a trace read a dataset or iterator itself: each call runs the Python.
         self._runs_as_python = False
-        # How many elements a call takes from each iterator argument, learned from a
-        # trace (``ReadsMore``), by the signature of the other arguments.
-        self._reads: dict = {}
+        self._reads = ReadCounts()  # elements a call takes from its iterator arguments
 
     def __get__(self, instance, owner=None):
         if instance is None:
@@ -270,12 +270,16 @@ class Function:
             return self._run_python(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_argument_leaf)
         given, read_ahead = (args, kwargs), []
-        if any(isinstance(x, DistributedIterator) for x in leaves):
+        iterators = [id(x) for x in leaves if isinstance(x, DistributedIterator)]
+        if iterators:
             # TF's `train_step(iterator)` with `next(iterator)` inside: the iterator's
             # next elements are read here and become inputs of the program.
-            reads_key = _reads_key(leaves, treedef)
+            reads_key = ReadCounts.key(leaves, treedef, static_key)
+            counts = self._reads.get(reads_key)
+            if counts is ReadCounts.AS_PYTHON or len(set(iterators)) < len(iterators):
+                return self._run_python(*given)  # (one iterator in two places: in order)
             try:
-                args, kwargs = with_next_elements(given, read_ahead, self._reads.get(reads_key))
+                args, kwargs = with_next_elements(given, read_ahead, counts)
             except StopIteration:
                 # At the end the body decides, as TF's program does: `next` raises
                 # OutOfRange, a `get_next_as_optional` loop returns.
@@ -289,6 +293,10 @@ class Function:
                 return self._run_python(*given, read_ahead)
             kinds.append(kind)
             if kind is None:
+                if isinstance(leaf, collections.abc.Iterator):
+                    # A Python iterator or generator: a program would keep what its
+                    # trace read (and a trace's error would end a generator).
+                    return self._run_python(*given, read_ahead)
                 statics.append((index, static_key(leaf)))
                 continue
             dynamic.append(array)
@@ -307,17 +315,22 @@ class Function:
         except ReadsMore as more:
             # The trace took more (or fewer) elements than were read: read as many.
             put_back(read_ahead)
-            if relearned or max(more.counts) > _MAX_READS:
-                self._runs_as_python = True
-                return self._run_python(*given)
-            self._reads[reads_key] = more.counts
+            self._reads.learn(reads_key, ReadCounts.AS_PYTHON if relearned else more.counts)
             return self._call(*given, relearned=True)
+        except TooManyReads:
+            # More steps than a program unrolls (or a loop to the end of the data):
+            # calls with these Python arguments run as Python.
+            self._reads.learn(reads_key, ReadCounts.AS_PYTHON)
+            return self._run_python(*given, read_ahead)
         except _RUNS_AS_PYTHON:
             # The Python reads its input itself, or needs an input's value (TF's
             # `for _ in tf.range(steps)` ported as `range(steps)`): it runs as it
             # is, on every call, as AutoGraph's loop would run (each `run` compiled).
             self._runs_as_python = True
             return self._run_python(*given, read_ahead)
+        except BaseException:
+            put_back(read_ahead)  # (an error in the body: the elements are not lost)
+            raise
         self._programs[key] = program
         return self._locked(program, dynamic)
 
@@ -433,17 +446,6 @@ def _keep_sharding(new, sharding):
     if sharding is None:
         return new
     return jax.lax.with_sharding_constraint(new, sharding)
-
-
-def _reads_key(leaves, treedef):
-    """What decides how many elements a call reads: the arguments but the iterators
-    and arrays (a Python ``steps`` among them)."""
-    statics = [
-        static_key(x)
-        for x in leaves
-        if not isinstance(x, DistributedIterator) and _classify(x)[0] is None
-    ]
-    return treedef, tuple(statics)
 
 
 def _classify(leaf):

@@ -13,6 +13,7 @@ then runs its Python on each call, reading the real iterator.
 """
 
 import jax
+import numpy as np
 
 from keras_dist._context import InputReadInTrace
 from keras_dist._input import DistributedIterator
@@ -23,6 +24,16 @@ from keras_dist._values import DistributedValues
 def is_argument_leaf(x):
     """The leaves of a ``kd.function``'s arguments: distributed values and variables whole."""
     return x is None or isinstance(x, (DistributedValues, KerasVariable))
+
+
+# Elements a call reads from its iterator arguments, at most: each is a step of the
+# program, unrolled (TF's `tf.range` loop is one loop); a trace that takes more (a
+# loop to the end of the data) runs as Python.
+MAX_READS = 100
+
+
+class TooManyReads(InputReadInTrace):
+    """A trace took more than ``MAX_READS`` elements from an iterator argument."""
 
 
 class ReadsMore(BaseException):  # noqa: N818 (not an error: the call starts again)
@@ -36,12 +47,38 @@ class ReadsMore(BaseException):  # noqa: N818 (not an error: the call starts aga
         self.counts = counts
 
 
+class ReadCounts:
+    """How many elements a call takes from each iterator argument, learned from a trace,
+    by the function's other Python arguments (a ``steps`` count among them)."""
+
+    AS_PYTHON = object()  # calls with those arguments run as Python
+
+    def __init__(self):
+        self._counts: dict = {}
+
+    @staticmethod
+    def key(leaves, treedef, static_key):
+        """The key of a call's flattened arguments: all but the iterators and arrays."""
+        statics = [static_key(x) for x in leaves if not isinstance(x, _NOT_STATIC)]
+        return treedef, tuple(statics)
+
+    def get(self, key):
+        """The counts learned for ``key`` (``None``: one each, until a trace says)."""
+        return self._counts.get(key)
+
+    def learn(self, key, counts) -> None:
+        self._counts[key] = counts
+
+
+_NOT_STATIC = (DistributedIterator, DistributedValues, jax.Array, np.ndarray, np.generic)
+
+
 @jax.tree_util.register_pytree_node_class
 class _NextElements:
     """An iterator argument inside a ``kd.function``: ``next()`` gives the elements read for it.
 
     Past them it counts the calls and gives the last one again (the trace is
-    then done again with as many read: ``check_reads``).
+    then done again with as many read: ``check_reads``), up to ``MAX_READS``.
     """
 
     def tree_flatten(self):
@@ -66,6 +103,8 @@ class _NextElements:
     def __next__(self):
         if not self._elements:
             raise InputReadInTrace()  # (a stand-in needs one element read)
+        if self.taken >= MAX_READS:
+            raise TooManyReads()  # (`for x in iterator` would never end here)
         element = self._elements[min(self.taken, len(self._elements) - 1)]
         self.taken += 1
         return element

@@ -27,7 +27,7 @@ class RecordingScope(StatelessScope):
     (3.0, True)
     """
 
-    def __init__(self, mapping: dict, deferred_writes: "list | None" = None):
+    def __init__(self, mapping: dict, deferred_writes: "list | None" = None, parent=None):
         super().__init__(initialize_variables=False)
         self.state_mapping = mapping
         self.assigned: dict = {}
@@ -35,6 +35,9 @@ class RecordingScope(StatelessScope):
         # When a list, distributed variables written in a replica append
         # (variable, kind, value) to it instead of aggregating at once.
         self.deferred_writes = deferred_writes
+        # The scope this one is nested in: a variable this one does not map is read
+        # there (so an enclosing trace finds it, instead of a constant of its value).
+        self._parent = parent
 
     def add_update(self, update):
         variable, value = update
@@ -45,6 +48,8 @@ class RecordingScope(StatelessScope):
         value = self.state_mapping.get(id(variable))
         if value is None:
             self.unmapped[id(variable)] = variable
+            if self._parent is not None:
+                value = self._parent.get_current_value(variable)
         return value
 
 

@@ -10,7 +10,7 @@ as TF's tape gives them; the optimizer sums them across replicas.
 import jax
 
 from keras_dist._keras import RecordingScope
-from keras_dist._keras import current_mapping
+from keras_dist._keras import current_scope
 from keras_dist._keras import variable_has_value
 
 
@@ -30,7 +30,8 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
 
     def wrapped(*args, **kwargs):
         _check_built(variables)
-        outer = current_mapping()
+        enclosing = current_scope()  # a trace's: what the loss reads besides ``variables``
+        outer = dict(enclosing.state_mapping) if enclosing is not None else {}
         current = [v.value for v in variables]
         writes = []  # (variable, kind), replayed after the gradient
 
@@ -38,7 +39,7 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
             mapping = dict(outer)
             mapping.update({id(v): x for v, x in zip(variables, values)})
             deferred = []
-            with RecordingScope(mapping, deferred_writes=deferred) as scope:
+            with RecordingScope(mapping, deferred_writes=deferred, parent=enclosing) as scope:
                 out = loss_fn(*args, **kwargs)
             # Distributed variables replay each write with its aggregation;
             # plain ones take their final value.

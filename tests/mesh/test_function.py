@@ -472,3 +472,68 @@ def _train_plain(model, optimizer, batches):
         optimizer.apply(grads, model.trainable_variables)
         losses.append(float(loss))
     return losses
+
+
+@pytest.mark.parametrize(
+    "make_strategy, inside",
+    [
+        (lambda: None, False),
+        (lambda: kd.MirroredStrategy(cpus(4)), False),
+        (lambda: kd.MirroredStrategy(cpus(4)), True),
+        (lambda: kd.OneDeviceStrategy("/cpu:0"), False),
+    ],
+    ids=["default", "mirrored_outside_scope", "mirrored", "one_device_outside_scope"],
+)
+@pytest.mark.parametrize("as_function", [True, False], ids=["kd_function", "strategy_run"])
+def test_a_variable_read_only_by_the_loss_is_read_on_every_call(make_strategy, inside, as_function):
+    # A variable the loss of `value_and_grad` reads (a frozen layer's weight, a scale
+    # set between steps) but does not differentiate was a constant of the first trace:
+    # `set_weights` or `assign` between steps was ignored, silently.
+    strategy = make_strategy()
+    with strategy.scope() if inside else contextlib.nullcontext():
+        scale = keras.Variable(1.0, trainable=False)
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        w = keras.Variable(1.0)
+    strategy = strategy or kd.get_strategy()
+
+    def replica_fn(x):
+        loss, (grad,) = kd.value_and_grad(lambda: keras.ops.sum(x) * w * scale, [w])()
+        w.assign_sub(0.0 * grad)
+        return loss
+
+    def step(x):
+        return strategy.reduce("SUM", strategy.run(replica_fn, args=(x,)), axis=None)
+
+    step = kd.function(step) if as_function else step
+    batches = iter(strategy.experimental_distribute_dataset([np.ones(4, "float32")] * 3))
+    losses = []
+    for value in (1.0, 2.0, 3.0):
+        scale.assign(value)
+        losses.append(float(step(next(batches))))
+    assert losses == [4.0, 8.0, 12.0]
+
+
+@pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: kd.MirroredStrategy(cpus(1))],
+    ids=["one_device", "mirrored_one_device"],
+)
+@pytest.mark.parametrize("as_function", [True, False], ids=["kd_function", "strategy_run"])
+def test_a_variables_own_array_as_the_argument_of_a_step_that_writes_it(make_strategy, as_function):
+    # On one device the variable, placed for the program, is the same buffer as the
+    # argument: donated twice, XLA refused ("a buffer that was previously donated").
+    strategy = make_strategy()
+    with strategy.scope():
+        w = keras.Variable(np.ones(3, "float32"))
+
+    def replica_fn(x):
+        w.assign(w * 2.0 + x)
+        return w.value + 0.0
+
+    def step(x):
+        return strategy.run(replica_fn, args=(x,))
+
+    step = kd.function(step) if as_function else step
+    results = [np.asarray(step(w.value)).tolist() for _ in range(2)]
+    assert results == [[3.0] * 3, [9.0] * 3]
+    np.testing.assert_array_equal(w.numpy(), [9.0] * 3)

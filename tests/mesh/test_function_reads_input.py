@@ -336,6 +336,75 @@ def test_a_loop_of_steps_on_next_is_one_program_with_the_steps_values():
     assert int(optimizer.iterations) == int(ref_optimizer.iterations) == 9
 
 
+def _numbered(strategy, n):
+    batches = [np.full(4, float(i), "float32") for i in range(n)]
+    return strategy.experimental_distribute_dataset(batches)
+
+
+def _first(strategy, value):
+    return float(strategy.experimental_local_results(value)[0][0])
+
+
+def test_a_for_loop_over_an_iterator_argument_runs_to_the_end_as_tfs():
+    # TF's `for batch in iterator:` inside the function: read to the end of the data.
+    # The trace's stand-in elements never end, so the loop runs as Python (it hung).
+    strategy = kd.MirroredStrategy(cpus(2))
+    total = _summed_into(strategy)
+
+    @kd.function
+    def train_epoch(iterator):
+        for batch in iterator:
+            strategy.run(lambda x: total.assign_add(keras.ops.sum(x)), args=(batch,))
+
+    train_epoch(iter(_numbered(strategy, 10)))
+    assert float(total.value) == 4.0 * sum(range(10))  # TF 2.21: the same
+
+
+def test_an_error_in_the_body_loses_no_element_read_for_the_call():
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    @kd.function
+    def two_steps(iterator, fail):
+        values = []
+        for i in range(2):
+            values.append(strategy.run(lambda x: x * 1.0, args=(next(iterator),)))
+            if fail and i == 1:
+                raise ValueError("a bug in the step")
+        return values
+
+    iterator = iter(_numbered(strategy, 8))
+    assert [_first(strategy, v) for v in two_steps(iterator, False)] == [0.0, 1.0]
+    with pytest.raises(ValueError, match="a bug"):
+        two_steps(iterator, True)
+    # TF 2.21 reads nothing while it traces: the next call gets elements 2 and 3.
+    assert [_first(strategy, v) for v in two_steps(iterator, False)] == [2.0, 3.0]
+
+
+def test_one_iterator_in_two_arguments_is_read_in_call_order():
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    def four_steps(a, b):
+        return [strategy.run(lambda x: x * 1.0, args=(next(it),)) for it in (a, b, a, b)]
+
+    iterator = iter(_numbered(strategy, 8))
+    values = kd.function(four_steps)(iterator, iterator)
+    assert [_first(strategy, v) for v in values] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_python_generator_argument_runs_as_python_with_each_calls_elements():
+    # A program would keep what its trace read; the trace's refusal to read the data
+    # also ended the generator (EndOfInput on the first call).
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    @kd.function
+    def two_steps(batches):
+        return [strategy.run(lambda x: x * 1.0, args=(next(batches),)) for _ in range(2)]
+
+    generator = (batch for batch in _numbered(strategy, 6))
+    firsts = [[_first(strategy, v) for v in two_steps(generator)] for _ in range(3)]
+    assert firsts == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
 def test_more_steps_a_call_than_unrolled_run_as_python_with_the_same_values():
     strategy = kd.MirroredStrategy(cpus(2))
     with strategy.scope():
@@ -352,3 +421,4 @@ def test_more_steps_a_call_than_unrolled_run_as_python_with_the_same_values():
     assert float(add_steps(iterator, 101)) == 2.0 * sum(range(101))
     assert add_steps.experimental_get_tracing_count() == 0  # 101 steps would be unrolled
     assert float(add_steps(iterator, 19)) == 2.0 * sum(range(120))
+    assert add_steps.experimental_get_tracing_count() == 1  # other counts still compile
