@@ -44,6 +44,8 @@ from keras_dist._engine._function_outputs import rebuild_outputs
 from keras_dist._engine._function_placement import ProgramPlacement
 from keras_dist._engine._function_placement import for_trace
 from keras_dist._engine._function_state import holding as _holding
+from keras_dist._engine._function_state import is_mirrored
+from keras_dist._engine._function_state import keep_sharding
 from keras_dist._engine._function_state import state_access as _state_access
 from keras_dist._engine._function_state import state_value as _state_value
 from keras_dist._engine._gate import GATE
@@ -68,7 +70,6 @@ from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
 from keras_dist._values._local_results import local_only
 from keras_dist._values._variables import DistributedVariable
-from keras_dist._values._variables import SyncOnReadVariable
 from keras_dist.config import _switches as _config
 
 _MAX_TRACES = 6
@@ -111,7 +112,7 @@ class _Program:
         self._read_only = layout.written(0)  # the variables after these are only read
         # Only mirrored variables' reads are their stored arrays, placed (``keep_placed``).
         self._keeps_placed = [
-            i for i in range(self._read_only, len(state)) if _is_mirrored(state[i])
+            i for i in range(self._read_only, len(state)) if is_mirrored(state[i])
         ]
         self._stored = StoredOutputs()
         # Where the program takes its array arguments (after the threaded state).
@@ -174,12 +175,6 @@ class _BoundFunction:
         return self._function.experimental_get_tracing_count()
 
 
-def _is_mirrored(variable) -> bool:
-    return isinstance(variable, DistributedVariable) and not isinstance(
-        variable, SyncOnReadVariable
-    )
-
-
 def _scheduled_on_workers() -> bool:
     # Under a parameter-server strategy the coordinator compiles what it schedules
     # (``coordinator.schedule``), and a function on the coordinator runs as Python.
@@ -230,6 +225,7 @@ class Function:
         self._options = options
         self._programs: collections.OrderedDict = collections.OrderedDict()
         self._state: list = []  # weak references to the variables found so far
+        self._extendeds: list = []  # the strategies the last trace ran on
         self._tracing_count = 0
         self._retraces = RetraceMonitor()
         self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -355,11 +351,14 @@ class Function:
 
     def _build(self, treedef, leaves, kinds, dynamic):
         state = [v for v in (r() for r in self._state) if v is not None]
+        # The strategies the function runs on, as the last trace found them: a plain
+        # variable's value is placed beside their arrays (on their mesh).
+        extendeds = self._extendeds
         for _ in range(_MAX_TRACES):
             trace = FunctionTrace(state)
             if any(_on_parameter_servers(v) for v in state):
                 raise OnParameterServers()  # (runs as Python, as on the coordinator in TF)
-            values = [_state_value(v, trace.extendeds) for v in state]
+            values = [_state_value(v, extendeds) for v in state]
             shardings = [getattr(x, "sharding", None) for x in values]
             traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)
             try:
@@ -370,6 +369,8 @@ class Function:
                 _initialize_created(trace)  # the Python that runs (or traces) next uses them
                 raise
             again = _initialize_created(trace) or trace.created_variables
+            if [id(e) for e in trace.extendeds] != [id(e) for e in extendeds]:
+                extendeds, again = trace.extendeds, True  # (values placed for others)
             for extended in trace.extendeds:
                 current = extended.variable_state()
                 trace.need(current.mirrored + current.sync_on_read)
@@ -385,6 +386,7 @@ class Function:
                 f"optimizer first). Received: {self.python_function!r}"
             )
         self._state = [weakref.ref(v) for v in state]
+        self._extendeds = extendeds
         self._tracing_count += 1
         layout = StateLayout([self._unchanged])
         lowered = layout.lower(traced, values, [for_trace(x) for x in dynamic])
@@ -418,7 +420,7 @@ class Function:
             self._unchanged = [scope.state_mapping[id(v)] is x for v, x in zip(state, state_values)]
             # New values keep their variables' shardings: no resharding next step.
             new_state = [
-                _keep_sharding(scope.state_mapping[id(v)], sharding)
+                keep_sharding(scope.state_mapping[id(v)], sharding)
                 for v, sharding in zip(state, shardings)
             ]
             return new_state, arrays
@@ -438,14 +440,6 @@ def _initialize_created(trace) -> bool:
     with _context.push(frame) if frame else contextlib.nullcontext():
         initialize_pending_variables()
     return True
-
-
-def _keep_sharding(new, sharding):
-    """A variable's new value with the sharding its old value had (a SyncOnRead variable
-    written outside the replicas would otherwise come out replicated)."""
-    if sharding is None:
-        return new
-    return jax.lax.with_sharding_constraint(new, sharding)
 
 
 def _classify(leaf):

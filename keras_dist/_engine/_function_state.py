@@ -6,6 +6,8 @@ loop over its state, so it should not ask each variable what it is.
 
 import functools
 
+import jax
+
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._keras import KerasVariable
 from keras_dist._values._variables import DistributedVariable
@@ -68,3 +70,18 @@ def _store_state(variable, value):
         variable.distribute_strategy.extended.store_computed(variable, value)
     else:
         KerasVariable.assign(variable, value)
+
+
+def is_mirrored(variable) -> bool:
+    """Whether ``variable`` is a mirrored (not SyncOnRead) distributed variable."""
+    return isinstance(variable, DistributedVariable) and not isinstance(
+        variable, SyncOnReadVariable
+    )
+
+
+def keep_sharding(new, sharding):
+    """A variable's new value with the sharding its old value had (a SyncOnRead variable
+    written outside the replicas would otherwise come out replicated)."""
+    if sharding is None:
+        return new
+    return jax.lax.with_sharding_constraint(new, sharding)

@@ -537,3 +537,23 @@ def test_a_variables_own_array_as_the_argument_of_a_step_that_writes_it(make_str
     results = [np.asarray(step(w.value)).tolist() for _ in range(2)]
     assert results == [[3.0] * 3, [9.0] * 3]
     np.testing.assert_array_equal(w.numpy(), [9.0] * 3)
+
+
+@pytest.mark.parametrize("replicas", [4, 1])
+def test_a_step_counter_made_outside_the_scope_counts_in_a_function(replicas):
+    # TF's step counter: a plain variable made before the strategy, incremented in the
+    # step. Its first trace placed it on one device and fixed that in the program
+    # ("incompatible devices" under 4 replicas).
+    strategy = kd.MirroredStrategy(cpus(replicas))
+    steps = keras.Variable(0, dtype="int32")
+    with strategy.scope():
+        w = keras.Variable(2.0)
+
+    @kd.function
+    def step():
+        steps.assign_add(1)
+        return strategy.reduce("SUM", strategy.run(lambda: w * 1.0), axis=None)
+
+    assert [float(step()) for _ in range(3)] == [2.0 * replicas] * 3
+    assert int(steps.value) == 3
+    assert step.experimental_get_tracing_count() == 1
