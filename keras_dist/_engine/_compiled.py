@@ -397,8 +397,9 @@ class CompiledEngine:
             if id(variable) not in threaded:
                 raise ValueError(
                     f"Variable {variable.path!r} was created outside `strategy.scope()` "
-                    "and assigned inside `strategy.run`, where every replica would write "
-                    "its own copy. Create it inside `with strategy.scope():`. "
+                    "and assigned inside `strategy.run`: the strategy does not hold it, so "
+                    "the step cannot keep the write (with several replicas each would "
+                    "write its own copy). Create it inside `with strategy.scope():`. "
                     f"Received: variable={variable!r}"
                 )
 
