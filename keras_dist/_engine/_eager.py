@@ -294,6 +294,11 @@ def select_replica_part(index, device, structure):
         if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
             if x.is_fully_replicated:
                 return x.addressable_data(0) if device is None else on_device(x, device)
+        elif isinstance(x, jax.Array) and device is not None and x.is_fully_addressable:
+            # One device's array (a `strategy.reduce` result): copied to the replica's
+            # device, as TF copies it, so the replica's ops can mix it with its values.
+            if x.sharding.device_set != {device}:
+                return jax.device_put(x, device)
         return x
 
     return jax.tree_util.tree_map(pick, structure, is_leaf=_is_leaf)

@@ -119,10 +119,11 @@ class DistributedVariable(keras.Variable):
     def plain_write(self, kind, value):
         """The write itself, in whatever state the surrounding code set up."""
         # Keras's ops, as Keras's own ``assign_add``: they take a sparse (BCOO) update.
-        if kind == "assign_add":
-            value = keras.ops.add(self.value, value)
-        elif kind == "assign_sub":
-            value = keras.ops.subtract(self.value, value)
+        if kind in ("assign_add", "assign_sub"):
+            current = self.value
+            value = _beside(value, current)
+            op = keras.ops.add if kind == "assign_add" else keras.ops.subtract
+            value = op(current, value)
         return KerasVariable.assign(self, value)
 
 
@@ -373,3 +374,17 @@ def numpy_components(variable) -> list:
         n = variable.distribute_strategy.extended.num_local_replicas
         return [np.asarray(variable.component(i)) for i in range(n)]
     return [np.asarray(variable.value)]
+
+
+def _beside(value, current):
+    """``value`` where ``current`` is, when both are arrays on different devices (an
+    update reduced onto the replicas' devices for a centrally stored variable)."""
+    if (
+        isinstance(value, jax.Array)
+        and isinstance(current, jax.Array)
+        and not isinstance(value, jax.core.Tracer)
+        and not isinstance(current, jax.core.Tracer)
+        and value.sharding.device_set != current.sharding.device_set
+    ):
+        return jax.device_put(value, current.sharding)
+    return value

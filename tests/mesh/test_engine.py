@@ -250,3 +250,44 @@ def test_large_outputs_are_their_programs_shards_and_feed_back_as_stacked_ones(m
         strategy.reduce("MEAN", out["large"], axis=0), total.sum(0) / (n * 600), rtol=1e-6
     )
     assert out["large"].stacked.shape == (n, 600, 500)
+
+
+@pytest.fixture
+def eagerly():
+    kd.config.run_functions_eagerly(True)
+    yield
+    kd.config.run_functions_eagerly(False)
+
+
+def test_eager_replicas_of_a_central_storage_update_its_variable_step_after_step(eagerly):
+    # The update, reduced onto the replicas' devices, met the centrally stored value
+    # in the second step ("incompatible devices").
+    strategy = kd.experimental.CentralStorageStrategy(cpus(4))
+    with strategy.scope():
+        w = keras.Variable(np.ones((2,), "float32"), aggregation="mean")
+
+    def replica_fn():
+        w.assign_sub(0.1 * w.value)
+        return w.value
+
+    firsts = [
+        float(strategy.experimental_local_results(strategy.run(replica_fn))[0][0]) for _ in range(3)
+    ]
+    np.testing.assert_allclose(firsts, [0.9, 0.81, 0.729], rtol=1e-6)
+
+
+def test_an_eager_replica_adds_a_merge_call_result_to_its_own_values(eagerly):
+    # The merge's reduction lives on the first device; each replica gets its copy.
+    strategy = kd.MirroredStrategy(cpus(4))
+    x = np.arange(32, dtype="float32").reshape(8, 4) / 10
+
+    def replica_fn(batch):
+        total = kd.get_replica_context().merge_call(
+            lambda s, v: s.reduce("SUM", v, axis=None), args=(keras.ops.sum(batch),)
+        )
+        return total + keras.ops.sum(batch)
+
+    (batch,) = strategy.experimental_distribute_dataset([x])
+    results = strategy.experimental_local_results(strategy.run(replica_fn, args=(batch,)))
+    expected = [x.sum() + x[2 * i : 2 * i + 2].sum() for i in range(4)]
+    np.testing.assert_allclose([float(r) for r in results], expected, rtol=1e-6)
