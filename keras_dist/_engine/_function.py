@@ -270,7 +270,7 @@ class Function:
         if iterators:
             # TF's `train_step(iterator)` with `next(iterator)` inside: the iterator's
             # next elements are read here and become inputs of the program.
-            reads_key = ReadCounts.key(leaves, treedef, static_key)
+            reads_key = ReadCounts.key(leaves, treedef)
             counts = self._reads.get(reads_key)
             if counts is ReadCounts.AS_PYTHON or len(set(iterators)) < len(iterators):
                 return self._run_python(*given)  # (one iterator in two places: in order)

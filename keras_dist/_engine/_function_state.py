@@ -35,19 +35,6 @@ def holding(variable):
     return _keras_value
 
 
-def keeping(variable):
-    """How to store a value read for a program back into ``variable`` (unbound), or ``None``.
-
-    A mirrored variable's read value is its stored one placed as the program
-    takes it (``compute_value``), so storing it changes nothing but the place. A
-    SyncOnRead variable's read is its stored array already, and a Keras variable
-    outside the strategy keeps its own place for the eager code that uses it.
-    """
-    if isinstance(variable, DistributedVariable) and not isinstance(variable, SyncOnReadVariable):
-        return variable.distribute_strategy.extended.store_computed
-    return None
-
-
 def _keras_value(variable):
     return variable.value
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from keras_dist._context import InputReadInTrace
+from keras_dist._engine._function_key import static_key
 from keras_dist._input import DistributedIterator
 from keras_dist._keras import KerasVariable
 from keras_dist._values import DistributedValues
@@ -57,7 +58,7 @@ class ReadCounts:
         self._counts: dict = {}
 
     @staticmethod
-    def key(leaves, treedef, static_key):
+    def key(leaves, treedef):
         """The key of a call's flattened arguments: all but the iterators and arrays."""
         statics = [static_key(x) for x in leaves if not isinstance(x, _NOT_STATIC)]
         return treedef, tuple(statics)
