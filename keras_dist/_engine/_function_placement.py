@@ -51,9 +51,9 @@ def on_first_device(x):
 
     No copy is made: the first device already holds it.
     """
-    if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    if not isinstance(x, jax.Array):
         return x
     sharding = x.sharding
-    if len(sharding.device_set) > 1 and sharding.is_fully_replicated:
+    if len(sharding.device_set) > 1 and x.is_fully_addressable and sharding.is_fully_replicated:
         return x.addressable_data(0)
     return x

@@ -40,6 +40,9 @@ class GlobalBatchSplitter:
         self._extended = extended
         self._on_host = on_host
         self._strided = strided
+        # One sharding object for every batch: a program taking them sees it is
+        # the one it saw last (``PlacedAlike``), without comparing two kinds.
+        self._device = jax.sharding.SingleDeviceSharding(extended.local_devices[0])
 
     def _mine(self, pieces):
         """This process's share of the ``num_replicas_in_sync`` pieces of a batch."""
@@ -80,7 +83,7 @@ class GlobalBatchSplitter:
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         leaves = [_as_array(x) for x in leaves]
         _rows(leaves)
-        placed = jax.device_put(leaves, self._extended.local_devices[0])
+        placed = jax.device_put(leaves, self._device)
         return jax.tree_util.tree_unflatten(treedef, placed)
 
     def _stacked(self, x, n):
