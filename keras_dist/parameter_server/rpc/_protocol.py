@@ -93,7 +93,9 @@ RUN = Op(
     "worker",
     (("program_id", _ID), ("worker_index", int), ("iterators", list)),
     # ``run_id`` stays the same when a lost worker's call runs again elsewhere.
-    (("epoch", (int, type(None))), ("n_arrays", int), ("run_id", _ID)),
+    # ``fresh``: [[ps task, version]], the newest versions of the ps tasks that
+    # the coordinator has seen a finished call leave (``PsVersions``).
+    (("epoch", (int, type(None))), ("n_arrays", int), ("run_id", _ID), ("fresh", list)),
     arrays="the program's inputs",
 )
 RUN_MANY = Op(

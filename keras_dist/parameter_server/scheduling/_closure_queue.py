@@ -4,10 +4,12 @@ As TF's ``CoordinatedClosureQueue``: ``schedule`` puts, each worker's thread
 gets, and a closure whose worker was lost is put back at the front, to run on
 another worker (a ps task applies each call's writes once: ``run_id``). The
 first error of a closure is kept until ``join`` (or the next ``schedule``)
-raises it; the closures still queued and those then running on other workers
-are cancelled, as TF's ``mark_failed`` cancels both: their ``RemoteValue``
-raises ``CancelledError``. A closure's result is set under the queue's lock,
-so that a closure finishing as the error comes cannot slip its value out.
+raises it; the closures still queued are cancelled: their ``RemoteValue``
+raises ``CancelledError``, and they never run. Closures already running on
+other workers cannot be stopped there (TF cancels their ops): they finish, and
+their ``RemoteValue`` gives what they returned, since their writes are applied.
+So ``CancelledError`` always means the function did not run, and rescheduling
+it, as the error says, applies its step once.
 """
 
 import collections
@@ -50,11 +52,12 @@ class ClosureQueue:
     def __init__(self):
         self._queue: collections.deque = collections.deque()
         self._running: set = set()  # the closures in flight
-        # Closures in flight when an error came -> the CancelledError they end
-        # with: they run on, but their result (or their own failure, the same
-        # failure) is not given out nor raised again.
-        self._doomed: dict = {}
+        # Closures in flight when an error came: they run on and give their
+        # results; a failure of theirs goes to their RemoteValue only (not
+        # raised again by ``join``: the first error stands for them all).
+        self._after_error: set = set()
         self._error = None
+        self._first_error = None  # the error that cancelled closures (kept after ``join``)
         self._condition = threading.Condition()
         self.stopped = False
 
@@ -93,45 +96,47 @@ class ClosureQueue:
             return taken
 
     def put_back(self, closure: Closure) -> None:
-        """Returns a closure whose worker was lost to the front of the queue."""
+        """Returns a closure that did not run (its worker was lost, or an earlier call
+        of its request failed) to the front of the queue; after an error, cancels it."""
         with self._condition:
-            cancelled = self._done_with(closure)
-            if cancelled is None and self._error is not None:
-                cancelled = _cancelled(self._error)
-            if cancelled is not None:
-                closure.remote_value.set_error(cancelled)
+            after_error = self._done_with(closure)
+            if after_error or self._error is not None:
+                closure.remote_value.set_error(_cancelled(self._first_error or self._error))
             else:
                 self._queue.appendleft(closure)
             self._condition.notify_all()
 
-    def _done_with(self, closure) -> "errors.CancelledError | None":
-        """Counts ``closure`` out of flight; the cancellation an earlier error gave it."""
+    def _done_with(self, closure) -> bool:
+        """Counts ``closure`` out of flight; whether it was in flight when an error came."""
         self._running.discard(closure)
-        return self._doomed.pop(closure, None)
+        if closure in self._after_error:
+            self._after_error.discard(closure)
+            return True
+        return False
 
     def mark_finished(self, closure, value) -> None:
-        """A closure returned ``value``: its ``RemoteValue`` gets it, unless it was cancelled."""
+        """A closure returned ``value``: its ``RemoteValue`` gets it (it ran, even if
+        another closure failed meanwhile)."""
         with self._condition:
-            cancelled = self._done_with(closure)
-            if cancelled is None:
-                closure.remote_value.set_value(value)
-            else:
-                closure.remote_value.set_error(cancelled)
+            self._done_with(closure)
+            closure.remote_value.set_value(value)
             # Only ``wait`` waits for a closure to finish (getters wait for the
             # queue): wake it when the last one is done, not after every one.
             if not self._queue and not self._running:
                 self._condition.notify_all()
 
     def mark_failed(self, closure, error: BaseException) -> None:
-        """A closure failed: keep its error and cancel what is queued and running."""
+        """A closure failed: keep its error and cancel what is queued.
+
+        A closure that was in flight when an earlier one failed keeps its own
+        error in its ``RemoteValue``; ``join`` raises the first error only.
+        """
         _without_locals(error)
         with self._condition:
-            cancelled = self._done_with(closure)
-            if cancelled is None:
-                closure.remote_value.set_error(error)
+            after_error = self._done_with(closure)
+            closure.remote_value.set_error(error)
+            if not after_error:
                 self._set_error_locked(error)
-            else:
-                closure.remote_value.set_error(cancelled)
             self._condition.notify_all()
 
     def set_error(self, error: BaseException) -> None:
@@ -143,9 +148,8 @@ class ClosureQueue:
 
     def _set_error_locked(self, error):
         if self._error is None:
-            self._error = error
-            for closure in self._running:
-                self._doomed.setdefault(closure, _cancelled(error))
+            self._error = self._first_error = error
+            self._after_error.update(self._running)
         while self._queue:
             self._queue.popleft().remote_value.set_error(_cancelled(self._error))
 

@@ -21,6 +21,7 @@ from keras_dist.parameter_server.scheduling._trace import ProgramTrace
 from keras_dist.parameter_server.scheduling._trace import current_worker_index
 from keras_dist.parameter_server.scheduling._trace import on_worker
 from keras_dist.parameter_server.scheduling._trace import tracing
+from keras_dist.parameter_server.scheduling._worker_thread import PsVersions
 from keras_dist.parameter_server.scheduling._worker_thread import WorkerThread
 
 PS_PROBE_INTERVAL = 2.0
@@ -80,8 +81,11 @@ class ClusterCoordinator:
         # its closures in the order they were queued (two in flight measured
         # no faster here, and reordered a lone worker's steps). A request may
         # carry a few closures of one program (``RUNS_PER_REQUEST``).
+        versions = PsVersions()  # what finished calls left on the ps tasks: no stale starts
         self._workers = [
-            WorkerThread(i, address, self._queue, alive, len(addresses), strategy.extended.programs)
+            WorkerThread(
+                i, address, self._queue, alive, len(addresses), strategy.extended.programs, versions
+            )
             for i, address in enumerate(addresses)
             for _ in range(CLOSURES_PER_WORKER)
         ]

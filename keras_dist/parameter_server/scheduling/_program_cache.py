@@ -353,10 +353,10 @@ class ProgramCache:
             # Any batch size, as TF's traced function takes a batch dimension of None:
             # a dataset's last, smaller batch runs the same program.
             pure, specs = build(keep, counts, route=bool(plan), plan=plan, any_batch_size=True)
-            exported = jax.export.export(jax.jit(pure), platforms=_platforms())(*specs)
+            exported = _exported(pure, specs)
         except Exception:  # the function needs its batch size as a number: this one only
             pure, specs = build(keep, counts, route=bool(plan), plan=plan)
-            exported = jax.export.export(jax.jit(pure), platforms=_platforms())(*specs)
+            exported = _exported(pure, specs)
         for _, update in plan:
             strategy.extended.parameter_servers.load_update(update)
         self.traces += 1
@@ -370,6 +370,23 @@ class ProgramCache:
         )
         weakref.finalize(program, self._freed, program.program_id).atexit = False
         return program
+
+
+def _exported(pure, specs):
+    """``pure`` exported for the workers; a clear error for what cannot travel."""
+    try:
+        return jax.export.export(jax.jit(pure), platforms=_platforms())(*specs)
+    except NotImplementedError as error:
+        if "host_callback" not in str(error):
+            raise
+        raise NotImplementedError(
+            "A scheduled function cannot call back into Python on its worker "
+            "(`jax.debug.print`, `jax.debug.callback`, `jax.pure_callback`, "
+            "`io_callback`): it travels to the workers as a serialized program, and "
+            "JAX cannot serialize host callbacks. Return the values instead and print "
+            "them on the coordinator after `fetch()` (TF's `tf.print` printed on the "
+            f"worker). Received: {error}"
+        ) from None
 
 
 def _batch_size_symbols(count: int) -> list:

@@ -38,6 +38,36 @@ class ClosureInputError(errors.OpError):
     """
 
 
+class PsVersions:
+    """The newest version of each ps task that a finished call reported.
+
+    A worker starts a call from the values its last call got back only while
+    they are at least these versions (``WorkerService._variable_values``): a
+    function scheduled after another one finished reads that one's writes,
+    even on a worker that sat idle meanwhile.
+
+    >>> versions = PsVersions()
+    >>> versions.seen([[0, 5], [1, 2]]); versions.seen([[0, 3]])
+    >>> versions.newest()
+    [[0, 5], [1, 2]]
+    """
+
+    def __init__(self):
+        self._newest: dict = {}
+        self._lock = threading.Lock()
+
+    def seen(self, versions) -> None:
+        """Notes ``[[task, version]]`` from a worker's reply."""
+        with self._lock:
+            for task, version in versions:
+                self._newest[task] = max(version, self._newest.get(task, version))
+
+    def newest(self) -> list:
+        """``[[task, version]]``, as a call's ``fresh`` field."""
+        with self._lock:
+            return [[task, version] for task, version in sorted(self._newest.items())]
+
+
 def _ps_tasks(error: errors.OpError) -> list:
     return [t for t in error.lost_tasks if t.startswith("/job:ps/")]
 
@@ -45,7 +75,9 @@ def _ps_tasks(error: errors.OpError) -> list:
 class WorkerThread:
     """Runs closures from ``queue`` on worker ``index`` of ``num_workers`` at ``address``."""
 
-    def __init__(self, index, address: str, queue, alive, num_workers: int = 1, programs=None):
+    def __init__(
+        self, index, address: str, queue, alive, num_workers: int = 1, programs=None, versions=None
+    ):
         self.index = index
         self.name = f"/job:worker/replica:0/task:{index}"
         self.client = RpcClient(address, name=self.name)
@@ -54,6 +86,7 @@ class WorkerThread:
         self._num_workers = num_workers
         self._sent: set = set()  # programs, datasets and iterators this worker has
         self._programs = programs  # the ProgramCache: which programs were freed
+        self._versions = versions if versions is not None else PsVersions()  # shared by all
         self.available = True
         self._thread = threading.Thread(target=self._loop, name=f"kd-{self.name}", daemon=True)
         self._thread.start()
@@ -156,6 +189,7 @@ class WorkerThread:
             return [], failure
         calls = ready
         headers, arrays = [], []
+        fresh = self._versions.newest()
         for call in calls:
             arguments = call.arrays_for(self.index)
             headers.append(
@@ -165,6 +199,7 @@ class WorkerThread:
                     worker_index=self.index,
                     iterators=[[it.iterator_id, count] for it, count in call.iterators],
                     epoch=call.epoch,
+                    fresh=fresh,
                     n_arrays=len(arguments),
                     run_id=call.run_id,
                 )
@@ -175,6 +210,9 @@ class WorkerThread:
             arrays,
             timeout=RUN_TIMEOUT * len(calls),
         )
+        # Before the closures' values are set: a function scheduled once one is
+        # fetched starts from these versions (or newer) on every worker.
+        self._versions.seen(reply.get("versions", ()))
         values, position = [], 0
         for call, count in zip(calls, reply["counts"]):
             values.append(call.program.results(results[position : position + count]))

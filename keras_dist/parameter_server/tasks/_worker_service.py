@@ -88,7 +88,8 @@ class WorkerService:
         self._programs: dict = {}
         self._datasets: dict = {}
         self._iterators: dict = {}
-        self._cache: dict = {}  # Location -> (epoch, value) from this worker's last update
+        # Location -> (epoch, ps versions, value) from this worker's last update.
+        self._cache: dict = {}
         self._lock = threading.Lock()
         self._run_lock = threading.Lock()
         self.runs = 0
@@ -166,17 +167,21 @@ class WorkerService:
         """
         self._unload(header.get("unload", ()))
         results, counts, position, failed = [], [], 0, None
+        versions: dict = {}  # ps task -> its newest version these calls' updates left
         for call in header["calls"]:
             arguments = arrays[position : position + call["n_arrays"]]
             position += call["n_arrays"]
             try:
-                _, outputs, _ = self._run(call, arguments)
+                reply, outputs, _ = self._run(call, arguments)
             except Exception as error:  # noqa: BLE001 - sent back, raised for this call there
                 failed = error_header(error)
                 break
+            for task, version in reply.get("versions", ()):
+                versions[task] = max(version, versions.get(task, version))
             results += outputs
             counts.append(len(outputs))
-        return {"done": len(counts), "counts": counts, "failed": failed}, results, b""
+        reply = {"done": len(counts), "counts": counts, "failed": failed}
+        return dict(reply, versions=sorted(versions.items())), results, b""
 
     def _unload(self, program_ids) -> None:
         """Drops freed programs, and the values cached for variables no program uses."""
@@ -192,7 +197,8 @@ class WorkerService:
     def _run_now(self, header, arrays):
         program = self._lookup(self._programs, header["program_id"], "program")
         epoch = header.get("epoch")
-        inputs = self._variable_values(program.locations, epoch) + list(arrays)
+        fresh = dict(header.get("fresh", ()))
+        inputs = self._variable_values(program.locations, epoch, fresh) + list(arrays)
         for iterator_id, count in header["iterators"]:
             iterator, reading = self._lookup(self._iterators, iterator_id, "iterator")
             for _ in range(count):
@@ -224,37 +230,51 @@ class WorkerService:
                 (self.task_name,),
             ) from None
         results, writes, updates = program.split_outputs(outputs)
+        versions: dict = {}
         if writes or updates:
             # The same requests bring the values back (one round trip per ps
-            # task): the next run of this epoch starts from them.
+            # task): the next run of this epoch starts from them, unless the
+            # coordinator has seen a newer version of a ps task since.
             read = program.locations if epoch is not None else ()
-            fresh = self.servers.update(
-                writes, read=read, updates=updates, run_id=header.get("run_id")
+            values = self.servers.update(
+                writes, read=read, updates=updates, run_id=header.get("run_id"), versions=versions
             )
             with self._lock:
-                for location, value in zip(read, fresh):
-                    self._cache[location] = (epoch, value)
+                for location, value in zip(read, values):
+                    self._cache[location] = (epoch, versions, value)
         self.runs += 1
-        return {}, results, b""
+        return {"versions": sorted(versions.items())}, results, b""
 
-    def _variable_values(self, locations, epoch) -> list:
-        """Values as of this worker's last step of ``epoch``, else read from the ps tasks.
+    def _variable_values(self, locations, epoch, fresh: dict) -> list:
+        """Values as of this worker's last step, where still current; else read from the ps.
 
         ``epoch`` changes whenever the coordinator joins or writes a variable,
-        so a function scheduled after those reads afresh; between them a worker
-        starts from the values its previous step got back (asynchronous
-        training, as with any parameter server).
+        so a function scheduled after those reads afresh. Between them a worker
+        starts from the values its previous step got back, unless a ps task
+        has since reached a newer version in a call the coordinator saw finish
+        (``fresh``: task -> version): a function scheduled after another's
+        result was fetched sees its writes, as TF's, however long this worker
+        was idle.
         """
         if not locations:
             return []
         with self._lock:
             cached = [self._cache.get(location) for location in locations]
-        if epoch is not None and all(c is not None and c[0] == epoch for c in cached):
-            return [value for _, value in cached]
+        if epoch is not None and all(
+            c is not None and c[0] == epoch and _current(location, c[1], fresh)
+            for location, c in zip(locations, cached)
+        ):
+            return [value for _, _, value in cached]
         return self.servers.read(locations)
 
     def close(self) -> None:
         self.servers.close()
+
+
+def _current(location, versions: dict, fresh: dict) -> bool:
+    """Whether values read at ``versions`` (ps task -> version) are at least ``fresh``'s
+    versions on every ps task holding a shard of ``location``."""
+    return all(versions.get(s.task, -1) >= fresh.get(s.task, -1) for s in location.shards)
 
 
 def _call_dataset_fn(dataset_fn, context):

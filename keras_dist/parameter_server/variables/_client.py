@@ -147,14 +147,15 @@ class ParameterServers:
                 header["keys"].append(shard.key)
         return self._gather(locations, self._each_task(requests))
 
-    def update(self, writes, read=(), updates=(), run_id=None) -> list:
+    def update(self, writes, read=(), updates=(), run_id=None, versions=None) -> list:
         """Applies ``writes`` (``(location, kind, value)``: kind ``assign``/``add``/``sub``).
 
         ``updates`` are optimizer updates run on the ps tasks: ``(task, update
         id, arrays)``, after the writes. One atomic request per ps task; the
         values of ``read`` (locations) come back in the same requests. With
         ``run_id`` each ps task applies the request only if it has not applied
-        one with that id before.
+        one with that id before. A ``versions`` dict gets each ps task's version
+        after the request (the version the values read are from).
         """
         requests: dict = {}
         once = {} if run_id is None else {"run_id": run_id}
@@ -177,7 +178,10 @@ class ParameterServers:
         for location in read:
             for shard in location.shards:
                 request(shard.task)[0]["read"].append(shard.key)
-        return self._gather(read, self._each_task(requests))
+        replies = self._each_task(requests)
+        if versions is not None:
+            versions.update((task, header["version"]) for task, (header, _) in replies.items())
+        return self._gather(read, replies)
 
     def load_update(self, update) -> None:
         """Sends an optimizer's ``UpdateProgram`` to the ps task that runs it."""
