@@ -121,6 +121,15 @@ class ParameterServerExtended(StrategyExtended, RemoteScheduling):
         self._cluster_spec = ClusterSpec(resolver.cluster_spec())
         # A coordinator outside the cluster's jobs (no task type) writes as the chief.
         has_task = resolver.task_type is not None and resolver.task_id is not None
+        if has_task and resolver.task_type in ("chief", "worker", "ps"):
+            try:  # (else a task that is not in its cluster waits for the ps tasks, then fails)
+                self._cluster_spec.task_address(resolver.task_type, resolver.task_id)
+            except ValueError as error:
+                raise ValueError(
+                    f"This process's task ({resolver.task_type}, index {resolver.task_id}) is "
+                    "not in its cluster: fix the task in TF_CONFIG (or the resolver). Received: "
+                    f"cluster={self._cluster_spec.as_dict()}; {error}"
+                ) from None
         self._role = (
             ProcessRole(resolver.task_type, resolver.task_id, self.cluster_spec)
             if has_task

@@ -11,6 +11,7 @@ task, sent to the tasks in parallel: a step costs one round trip per ps task.
 """
 
 import concurrent.futures
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,9 @@ from keras_dist.parameter_server.rpc import _protocol as protocol
 from keras_dist.parameter_server.rpc._transport import DEFAULT_TIMEOUT
 from keras_dist.parameter_server.rpc._transport import RpcClient
 from keras_dist.parameter_server.rpc._wire import dtype_from_name
+
+logger = logging.getLogger("keras_dist.ps")
+_WAIT_NOTE_EVERY = 15.0  # seconds between the notes of a wait for the ps tasks
 
 
 def ps_device(task: int) -> str:
@@ -106,15 +110,27 @@ class ParameterServers:
 
     def wait_until_ready(self, timeout: float) -> None:
         """Returns once every ps task answers (tasks start in any order), or raises."""
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, next_note = start + timeout, start + _WAIT_NOTE_EVERY
         for task in range(self.num_ps):
             while True:
                 try:
                     self.ping(task, timeout=max(1.0, min(5.0, deadline - time.monotonic())))
                     break
                 except errors.UnavailableError:
-                    if time.monotonic() >= deadline:
+                    now = time.monotonic()
+                    if now >= deadline:
                         raise
+                    if now >= next_note:  # (a ps that never starts is not a silent wait)
+                        logger.warning(
+                            "Waiting for ps task %d at %s: not answering after %.0f s "
+                            "(giving up after %.0f s).",
+                            task,
+                            self.clients[task].address,
+                            now - start,
+                            timeout,
+                        )
+                        next_note = now + _WAIT_NOTE_EVERY
                     time.sleep(0.2)
 
     def ping(self, task: int, timeout: float = 5.0) -> None:
