@@ -93,6 +93,7 @@ def _wrap_loop(original, training):
         )
         if original.__name__ == "fit":
             _refuse_keras_backups_across_processes(arguments.get("callbacks"), strategy)
+            _chief_only_keras_checkpoints(arguments.get("callbacks"), strategy)
             with _fitting_with(self, arguments.get("callbacks")):
                 return _run_loop(self, original, training, quiet, args, kwargs)
         return _run_loop(self, original, training, quiet, args, kwargs)
@@ -113,6 +114,20 @@ def _refuse_keras_backups_across_processes(callbacks, strategy) -> None:
                 "(same arguments): the chief writes the backup and every worker restores "
                 f"from it, as tf.keras's did. Received: {callback!r}"
             )
+
+
+def _chief_only_keras_checkpoints(callbacks, strategy) -> None:
+    """Keras's own ``ModelCheckpoint`` given to a job of several processes becomes
+    ``kd.callbacks.ModelCheckpoint`` (its subclass, same state): as tf.keras's, only the
+    chief's file stays. Every worker wrote the same path, which came out corrupt."""
+    if strategy is None or not strategy.extended.spans_processes:
+        return
+    # (Imported here: the callbacks build on this package.)
+    from keras_dist.callbacks import ModelCheckpoint
+
+    for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
+        if type(callback) is keras.callbacks.ModelCheckpoint:
+            callback.__class__ = ModelCheckpoint
 
 
 @contextlib.contextmanager

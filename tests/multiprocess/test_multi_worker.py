@@ -422,6 +422,9 @@ def _fit_worker(directory):
         model = _tiny_model()
     initial = _flat(model.get_weights())  # ...and reads worker 0's first values
     x, y = _regression_data(69)  # 69 = 4 x 16 + 5: a last batch split 3 / 2
+    # Keras's own callback, as a port of tf.keras code passes it: the chief's file alone
+    # stays (every worker wrote the same path, and the file came out corrupt).
+    keras_checkpoint = keras.callbacks.ModelCheckpoint(f"{directory}/ckpt/model.keras")
     history = model.fit(
         x,
         y,
@@ -430,7 +433,7 @@ def _fit_worker(directory):
         shuffle=False,
         verbose=0,
         callbacks=[
-            kd.callbacks.ModelCheckpoint(f"{directory}/ckpt/model.keras"),
+            keras_checkpoint,
             kd.callbacks.ModelCheckpoint(
                 f"{directory}/ckpt/model.weights.h5", save_weights_only=True
             ),
@@ -443,6 +446,7 @@ def _fit_worker(directory):
         "history": history.history,
         "evaluate": model.evaluate(x, y, batch_size=16, verbose=0),
         "predict": model.predict(x[:10], batch_size=4, verbose=0),
+        "chief_only_checkpoint": isinstance(keras_checkpoint, kd.callbacks.ModelCheckpoint),
     }
 
 
@@ -468,6 +472,7 @@ def test_fit_on_two_workers_equals_one_device_and_checkpoints_once(tmp_path):
     expected_eval = model.evaluate(x, y, batch_size=16, verbose=0)
     np.testing.assert_allclose(chief["evaluate"], expected_eval, rtol=1e-5)
     np.testing.assert_allclose(worker["predict"], model.predict(x[:10], verbose=0), atol=1e-5)
+    assert chief["chief_only_checkpoint"] and worker["chief_only_checkpoint"]
     # Spec 66: the checkpoints exist once, written by the chief; no temp dir is left.
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["model.keras", "model.weights.h5"]
     restored = keras.models.load_model(tmp_path / "ckpt" / "model.keras")
