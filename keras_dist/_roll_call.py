@@ -72,7 +72,13 @@ def roll_call(coordinator_address, num_processes, process_id, cluster, timeout, 
 def _call_the_roll(host, port, num_processes, cluster, deadline, names, timeout):
     present: dict = {}  # process id -> its connection
     reports: queue.SimpleQueue = queue.SimpleQueue()
-    with _listen(port) as server:
+    try:
+        server = _listen(port)
+    except OSError:
+        # Another task given index 0 may hold the port: tell it (both then raise).
+        _report_as_a_second_coordinator(host, port, num_processes, cluster)
+        raise
+    with server:
         server.settimeout(0.2)
         next_log = time.monotonic() + LOG_EVERY
         try:
@@ -132,6 +138,12 @@ def _take(report, connection, present, num_processes, cluster, names):
             f"`task` differs). Received: {names[0]} has {cluster}; the other task has "
             f"{theirs}"
         )
+    elif process_id == 0:
+        problem = (
+            f"Two tasks reported in as {names[0]}: give each task its own index "
+            "(TF_CONFIG's task.index). Received: process id 0 twice (the second could not "
+            "take the coordinator's port)"
+        )
     elif type(process_id) is not int or not 0 < process_id < num_processes:
         problem = (
             f"A task reported in with a process id outside this cluster of "
@@ -155,6 +167,26 @@ def _take(report, connection, present, num_processes, cluster, names):
     present[process_id] = connection
 
 
+def _report_as_a_second_coordinator(host, port, num_processes, cluster) -> None:
+    """Reports in as process 0 to whatever holds the port; raises the ``ValueError`` a
+    keras_dist coordinator answers with (the same index twice). Returns otherwise."""
+    report = {
+        "protocol": _PROTOCOL,
+        "process_id": 0,
+        "num_processes": num_processes,
+        "cluster": cluster,
+    }
+    try:
+        with socket.create_connection((host, port), timeout=5) as connection:
+            _send(connection, report)
+            connection.settimeout(5)
+            answer = json.loads(_read_line(connection))
+    except (OSError, ValueError):
+        return  # not a keras_dist task: the port is simply taken
+    if isinstance(answer, dict) and "error" in answer:
+        raise ValueError(answer["error"])
+
+
 def _read_report(connection, reports):
     connection.settimeout(30)
     try:
@@ -168,12 +200,31 @@ def _read_report(connection, reports):
 
 def _report_in(host, port, report, deadline, names, timeout, coordinator_address):
     started, next_log = time.monotonic(), time.monotonic() + LOG_EVERY
+    me, connected = names[report["process_id"]], False
+
+    def note_unanswered():
+        _log.warning(
+            "%s reported in to %s at %s and waits for its answer (%d s of %g s): the "
+            "others have not all joined yet, or another program holds that port.",
+            me,
+            names[0],
+            coordinator_address,
+            int(time.monotonic() - started),
+            timeout,
+        )
+
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            held = (
+                " (something took the connection there but never answered: check that no "
+                "other program holds that port)"
+                if connected
+                else ""
+            )
             raise UnavailableError(
                 f"{names[0]} (the coordinator, at {coordinator_address}) did not answer "
-                f"within {timeout:g} s, so {names[report['process_id']]} (this process) "
+                f"within {timeout:g} s{held}, so {me} (this process) "
                 "could not join the cluster. Start that task (each task with its own "
                 "index: two given one index leave another missing), check the address is "
                 "reachable from here, or raise CommunicationOptions(timeout_seconds=...)."
@@ -192,9 +243,9 @@ def _report_in(host, port, report, deadline, names, timeout, coordinator_address
             next_log = time.monotonic() + LOG_EVERY
         try:
             with socket.create_connection((host, port), timeout=min(remaining, 5)) as connection:
+                connected = True
                 _send(connection, report)
-                connection.settimeout(max(remaining, 0.1))
-                answer = json.loads(_read_line(connection))
+                answer = json.loads(_answer(connection, deadline, note_unanswered))
         except (OSError, ValueError):
             # Not up yet, or process 0 restarted its roll call: ask again.
             time.sleep(min(0.2, max(remaining, 0)))
@@ -230,6 +281,28 @@ def _read_line(connection) -> bytes:
     data = b""
     while not data.endswith(b"\n"):
         chunk = connection.recv(65536)
+        if not chunk or len(data) > _LINE_LIMIT:
+            raise ConnectionError("the peer closed before a whole message")
+        data += chunk
+    return data
+
+
+def _answer(connection, deadline, note) -> bytes:
+    """One line from ``connection`` by ``deadline``; ``note()`` every ``LOG_EVERY`` s of
+    waiting (the coordinator answers once every task has reported in)."""
+    data, next_note = b"", time.monotonic() + LOG_EVERY
+    while not data.endswith(b"\n"):
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError("no answer before the deadline")
+        if now >= next_note:
+            note()
+            next_note = now + LOG_EVERY
+        connection.settimeout(max(0.1, min(deadline, next_note) - now))
+        try:
+            chunk = connection.recv(65536)
+        except TimeoutError:
+            continue
         if not chunk or len(data) > _LINE_LIMIT:
             raise ConnectionError("the peer closed before a whole message")
         data += chunk

@@ -91,6 +91,34 @@ def test_a_missing_coordinator_is_named_by_the_others():
     assert address in str(raised.value)
 
 
+def test_a_program_holding_the_coordinators_port_is_not_a_silent_wait(caplog, monkeypatch):
+    # Something else listens there (a stale run): it takes the report and never answers.
+    # The worker waited out its whole timeout (600 s by default) without a line.
+    monkeypatch.setattr(_roll_call, "LOG_EVERY", 0.5)
+    address = _address()
+    host, port = address.split(":")
+    with socket.create_server((host, int(port))) as stale:
+        stale.settimeout(0.2)
+        accepted = []
+
+        def take_and_hold():
+            while True:
+                try:
+                    accepted.append(stale.accept()[0])
+                except (TimeoutError, OSError):
+                    if stale.fileno() < 0:
+                        return
+
+        threading.Thread(target=take_and_hold, daemon=True).start()
+        with caplog.at_level(logging.WARNING, "keras_dist"):
+            with pytest.raises(kd.errors.UnavailableError, match="never answered") as raised:
+                roll_call(address, 2, 1, "spec", 2.5, NAMES)
+    assert raised.value.lost_tasks == ("worker 0",)
+    assert f"worker 1 reported in to worker 0 at {address} and waits for its answer" in caplog.text
+    for connection in accepted:
+        connection.close()
+
+
 def test_another_cluster_is_refused_on_both_sides():
     address = _address()
     other = _Task(address, 1, cluster='{"worker": ["a:1", "c:3"]}')
@@ -110,6 +138,20 @@ def test_two_tasks_with_one_index_are_refused():
         roll_call(address, 3, 0, "spec", 20, NAMES)
     errors = [first.result(), second.result()]
     assert all(isinstance(e, ValueError) for e in errors), errors
+
+
+def test_two_tasks_given_index_0_are_refused_on_both():
+    # The second cannot take the coordinator's port: it said only that, while the first
+    # waited out its whole timeout for a worker 1 that never came.
+    address = _address()
+    first = _Task(address, 0, num_processes=3)
+    time.sleep(0.5)
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="Two tasks reported in as worker 0"):
+        roll_call(address, 3, 0, "spec", 20, NAMES)
+    error = first.result()
+    assert isinstance(error, ValueError) and "worker 0" in str(error), error
+    assert time.monotonic() - began < 10
 
 
 def _connect(address, timeout=10):
