@@ -4,8 +4,8 @@ On a GPU a small step is as long as the host's work to start it: what this measu
 Both run the same Keras MLP (``--depth`` hidden Dense(8) layers, SGD with momentum, batch
 16, so the device's work is negligible) on one device, alternating in one process:
 
-(a) keras_dist: ``OneDeviceStrategy``, the step ``strategy.run`` + ``strategy.reduce`` in
-    one ``@kd.function`` over a distributed dataset's batches;
+(a) keras_dist: ``OneDeviceStrategy``, the custom-loop example's step (``strategy.run`` +
+    ``strategy.reduce``) in one ``@kd.function`` over a distributed dataset's batches;
 (b) Keras's guide loop: ``stateless_call`` and ``optimizer.stateless_apply`` in one
     ``jax.jit`` (donating its state), on batches already on the device.
 
@@ -22,6 +22,7 @@ Prints one line: both calls' host time and their ratio (medians of the repeats).
 import argparse
 import os
 import statistics
+import sys
 import time
 
 parser = argparse.ArgumentParser(description=__doc__)
@@ -30,11 +31,13 @@ parser.add_argument("--calls", type=int, default=1000, help="calls per timed rep
 parser.add_argument("--repeats", type=int, default=9)
 args = parser.parse_args()
 os.environ.setdefault("KERAS_BACKEND", "jax")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from custom_training_loop import make_train_step  # noqa: E402 - the example's step
 from jax._src import stages  # noqa: E402 - to time JAX's call of a compiled program
 
 import keras_dist as kd  # noqa: E402
@@ -60,18 +63,7 @@ def keras_dist_step():
     with strategy.scope():
         model = build_model()
         optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
-    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-    def train_step(batch):
-        x, y = batch
-
-        def loss_fn():
-            losses = loss_object(y, model(x, training=True))
-            return kd.nn.compute_average_loss(losses, global_batch_size=BATCH)
-
-        loss, grads = kd.value_and_grad(loss_fn, model.trainable_variables)()
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    train_step = make_train_step(model, optimizer, global_batch_size=BATCH)
 
     @kd.function
     def step(batch):
