@@ -52,12 +52,12 @@ class ClosureQueue:
     def __init__(self):
         self._queue: collections.deque = collections.deque()
         self._running: set = set()  # the closures in flight
-        # Closures in flight when an error came: they run on and give their
+        # Closures in flight when an error came -> the CancelledError they get
+        # should they come back unrun (``put_back``). They run on and give their
         # results; a failure of theirs goes to their RemoteValue only (not
         # raised again by ``join``: the first error stands for them all).
-        self._after_error: set = set()
+        self._after_error: dict = {}
         self._error = None
-        self._first_error = None  # the error that cancelled closures (kept after ``join``)
         self._condition = threading.Condition()
         self.stopped = False
 
@@ -99,20 +99,20 @@ class ClosureQueue:
         """Returns a closure that did not run (its worker was lost, or an earlier call
         of its request failed) to the front of the queue; after an error, cancels it."""
         with self._condition:
-            after_error = self._done_with(closure)
-            if after_error or self._error is not None:
-                closure.remote_value.set_error(_cancelled(self._first_error or self._error))
+            cancelled = self._done_with(closure)
+            if cancelled is None and self._error is not None:
+                cancelled = _cancelled(self._error)
+            if cancelled is not None:
+                closure.remote_value.set_error(cancelled)
             else:
                 self._queue.appendleft(closure)
             self._condition.notify_all()
 
-    def _done_with(self, closure) -> bool:
-        """Counts ``closure`` out of flight; whether it was in flight when an error came."""
+    def _done_with(self, closure) -> "errors.CancelledError | None":
+        """Counts ``closure`` out of flight; if it was in flight when an error came, the
+        cancellation that error gave it (dropped here: the error holds a step's frames)."""
         self._running.discard(closure)
-        if closure in self._after_error:
-            self._after_error.discard(closure)
-            return True
-        return False
+        return self._after_error.pop(closure, None)
 
     def mark_finished(self, closure, value) -> None:
         """A closure returned ``value``: its ``RemoteValue`` gets it (it ran, even if
@@ -133,7 +133,7 @@ class ClosureQueue:
         """
         _without_locals(error)
         with self._condition:
-            after_error = self._done_with(closure)
+            after_error = self._done_with(closure) is not None
             closure.remote_value.set_error(error)
             if not after_error:
                 self._set_error_locked(error)
@@ -148,8 +148,9 @@ class ClosureQueue:
 
     def _set_error_locked(self, error):
         if self._error is None:
-            self._error = self._first_error = error
-            self._after_error.update(self._running)
+            self._error = error
+            for closure in self._running:
+                self._after_error.setdefault(closure, _cancelled(error))
         while self._queue:
             self._queue.popleft().remote_value.set_error(_cancelled(self._error))
 
