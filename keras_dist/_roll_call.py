@@ -57,13 +57,18 @@ def roll_call(coordinator_address, num_processes, process_id, cluster, timeout, 
     if process_id == 0:
         _call_the_roll(host, port, num_processes, cluster, deadline, names, timeout)
     else:
-        report = {
-            "protocol": _PROTOCOL,
-            "process_id": process_id,
-            "num_processes": num_processes,
-            "cluster": cluster,
-        }
+        report = _report(process_id, num_processes, cluster)
         _report_in(host, port, report, deadline, names, timeout, coordinator_address)
+
+
+def _report(process_id, num_processes, cluster) -> dict:
+    """What a task sends the coordinator's port when it reports in."""
+    return {
+        "protocol": _PROTOCOL,
+        "process_id": process_id,
+        "num_processes": num_processes,
+        "cluster": cluster,
+    }
 
 
 # --- process 0 ---------------------------------------------------------------------------
@@ -170,15 +175,9 @@ def _take(report, connection, present, num_processes, cluster, names):
 def _report_as_a_second_coordinator(host, port, num_processes, cluster) -> None:
     """Reports in as process 0 to whatever holds the port; raises the ``ValueError`` a
     keras_dist coordinator answers with (the same index twice). Returns otherwise."""
-    report = {
-        "protocol": _PROTOCOL,
-        "process_id": 0,
-        "num_processes": num_processes,
-        "cluster": cluster,
-    }
     try:
         with socket.create_connection((host, port), timeout=5) as connection:
-            _send(connection, report)
+            _send(connection, _report(0, num_processes, cluster))
             connection.settimeout(5)
             answer = json.loads(_read_line(connection))
     except (OSError, ValueError):

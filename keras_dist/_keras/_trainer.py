@@ -92,8 +92,7 @@ def _wrap_loop(original, training):
             arguments.get("callbacks")
         )
         if original.__name__ == "fit":
-            _refuse_keras_backups_across_processes(arguments.get("callbacks"), strategy)
-            _chief_only_keras_checkpoints(arguments.get("callbacks"), strategy)
+            _keras_callbacks_across_processes(arguments.get("callbacks"), strategy)
             with _fitting_with(self, arguments.get("callbacks")):
                 return _run_loop(self, original, training, quiet, args, kwargs)
         return _run_loop(self, original, training, quiet, args, kwargs)
@@ -102,24 +101,15 @@ def _wrap_loop(original, training):
     return loop
 
 
-def _refuse_keras_backups_across_processes(callbacks, strategy) -> None:
-    """Keras's own ``BackupAndRestore`` has every worker write the same files: they collide."""
-    if strategy is None or not strategy.extended.spans_processes:
-        return
-    for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
-        if type(callback) is keras.callbacks.BackupAndRestore:
-            raise ValueError(
-                "keras.callbacks.BackupAndRestore has every worker write the same backup "
-                "files, which collide across processes. Use kd.callbacks.BackupAndRestore "
-                "(same arguments): the chief writes the backup and every worker restores "
-                f"from it, as tf.keras's did. Received: {callback!r}"
-            )
+def _keras_callbacks_across_processes(callbacks, strategy) -> None:
+    """Keras's own file-writing callbacks in a job of several processes, where every
+    worker would write the same files and they collide.
 
-
-def _chief_only_keras_checkpoints(callbacks, strategy) -> None:
-    """Keras's own ``ModelCheckpoint`` given to a job of several processes becomes
-    ``kd.callbacks.ModelCheckpoint`` (its subclass, same state): as tf.keras's, only the
-    chief's file stays. Every worker wrote the same path, which came out corrupt."""
+    ``ModelCheckpoint`` becomes ``kd.callbacks.ModelCheckpoint`` (its subclass, same
+    state): as tf.keras's, only the chief's file stays (every worker's writes had come
+    out corrupt). ``BackupAndRestore`` is refused: kd's restores every worker from
+    the chief's backup, which Keras's state does not carry.
+    """
     if strategy is None or not strategy.extended.spans_processes:
         return
     # (Imported here: the callbacks build on this package.)
@@ -128,6 +118,13 @@ def _chief_only_keras_checkpoints(callbacks, strategy) -> None:
     for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
         if type(callback) is keras.callbacks.ModelCheckpoint:
             callback.__class__ = ModelCheckpoint
+        elif type(callback) is keras.callbacks.BackupAndRestore:
+            raise ValueError(
+                "keras.callbacks.BackupAndRestore has every worker write the same backup "
+                "files, which collide across processes. Use kd.callbacks.BackupAndRestore "
+                "(same arguments): the chief writes the backup and every worker restores "
+                f"from it, as tf.keras's did. Received: {callback!r}"
+            )
 
 
 @contextlib.contextmanager

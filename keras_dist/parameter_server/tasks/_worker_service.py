@@ -33,6 +33,8 @@ class _LoadedProgram:
         exported = jax.export.deserialize(bytearray(blob))
         self.call = jax.jit(exported.call)
         self.locations = [Location.from_json(x) for x in header["variables"]]
+        # The ps tasks holding its variables: whose versions decide if saved values are current.
+        self.ps_tasks = sorted({s.task for location in self.locations for s in location.shards})
         self.writes = [(index, kind) for index, kind in header["writes"]]
         self.n_results = header["n_results"]
         self.updates = [tuple(u) for u in header.get("updates", ())]
@@ -198,7 +200,7 @@ class WorkerService:
         program = self._lookup(self._programs, header["program_id"], "program")
         epoch = header.get("epoch")
         fresh = dict(header.get("fresh", ()))
-        inputs = self._variable_values(program.locations, epoch, fresh) + list(arrays)
+        inputs = self._variable_values(program, epoch, fresh) + list(arrays)
         for iterator_id, count in header["iterators"]:
             iterator, reading = self._lookup(self._iterators, iterator_id, "iterator")
             for _ in range(count):
@@ -245,7 +247,7 @@ class WorkerService:
         self.runs += 1
         return {"versions": sorted(versions.items())}, results, b""
 
-    def _variable_values(self, locations, epoch, fresh: dict) -> list:
+    def _variable_values(self, program, epoch, fresh: dict) -> list:
         """Values as of this worker's last step, where still current; else read from the ps.
 
         ``epoch`` changes whenever the coordinator joins or writes a variable,
@@ -256,25 +258,27 @@ class WorkerService:
         result was fetched sees its writes, as TF's, however long this worker
         was idle.
         """
+        locations = program.locations
         if not locations:
             return []
         with self._lock:
             cached = [self._cache.get(location) for location in locations]
-        if epoch is not None and all(
-            c is not None and c[0] == epoch and _current(location, c[1], fresh)
-            for location, c in zip(locations, cached)
-        ):
-            return [value for _, _, value in cached]
+        if epoch is not None and all(c is not None and c[0] == epoch for c in cached):
+            # One versions dict per update that filled the cache (usually the last
+            # one): checked once each, not once a variable.
+            stamps = {id(c[1]): c[1] for c in cached}.values()
+            if all(_at_least(v, fresh, program.ps_tasks) for v in stamps):
+                return [value for _, _, value in cached]
         return self.servers.read(locations)
 
     def close(self) -> None:
         self.servers.close()
 
 
-def _current(location, versions: dict, fresh: dict) -> bool:
+def _at_least(versions: dict, fresh: dict, tasks) -> bool:
     """Whether values read at ``versions`` (ps task -> version) are at least ``fresh``'s
-    versions on every ps task holding a shard of ``location``."""
-    return all(versions.get(s.task, -1) >= fresh.get(s.task, -1) for s in location.shards)
+    versions on each of ``tasks``."""
+    return all(versions.get(task, -1) >= fresh.get(task, -1) for task in tasks)
 
 
 def _call_dataset_fn(dataset_fn, context):
