@@ -6,6 +6,13 @@ variables (creation policy), scopes (state threading), optimizer, trainer,
 layers, saving, and the pieces of Keras's train step (``_model``).
 """
 
+from keras_dist._keras._callbacks import checkpoint_batch_count as checkpoint_batch_count
+from keras_dist._keras._callbacks import (
+    checkpoint_batch_count_through as checkpoint_batch_count_through,
+)
+from keras_dist._keras._callbacks import checkpoint_direction as checkpoint_direction
+from keras_dist._keras._callbacks import set_checkpoint_batch_count as set_checkpoint_batch_count
+from keras_dist._keras._callbacks import set_checkpoint_direction as set_checkpoint_direction
 from keras_dist._keras._instance_patches import replaced_methods as replaced_methods
 from keras_dist._keras._internals import DataAdapter as DataAdapter
 from keras_dist._keras._internals import KerasVariable as KerasVariable

@@ -200,6 +200,8 @@ SYMBOLS = (
     Symbol(saving_lib, "get_attr_skipset", ("obj_type",)),
     Symbol(ModelCheckpoint, "_get_file_path", ("self", "epoch", "batch", "logs")),
     Symbol(ModelCheckpoint, "_save_model", ("self", "epoch", "batch", "logs")),
+    # A resumed ModelCheckpoint counts batches by its rule (``_callbacks.py``).
+    Symbol(ModelCheckpoint, "_should_save_on_batch", ("self", "batch")),
 )
 
 # Instance attributes the hooks read or write: (class, method that sets it, name).
@@ -214,6 +216,9 @@ ATTRIBUTES = (
     (BaseOptimizer, "build", "_trainable_variables"),
     (Trainer, "__init__", "_initial_epoch"),
     (BatchNormalization, "build", "_reduction_axes"),
+    # BackupAndRestore gives a resumed ModelCheckpoint its count of batches.
+    (ModelCheckpoint, "__init__", "_batches_seen_since_last_saving"),
+    (ModelCheckpoint, "__init__", "_last_batch_seen"),
 )
 METHODS = ((Layer, "_flatten_layers"),)
 

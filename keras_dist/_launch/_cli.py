@@ -53,8 +53,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if not options.module and not os.path.isfile(options.script):
-        parser.error(f"no such script: {options.script!r}")
-    return _launch(options)
+        _launch_error(f"no such script: {options.script!r}")
+    try:
+        return _launch(options)
+    except (ValueError, OSError) as error:
+        # Options that do not fit together (a count per task for other tasks, a log
+        # directory that cannot be made): said as argparse says the others.
+        _launch_error(str(error))
+
+
+def _launch_error(message: str):
+    """Exits as argparse does for ``keras-dist launch``'s own options (code 2)."""
+    sys.stderr.write(
+        f"keras-dist launch: error: {message}\n(`keras-dist launch --help` lists the options)\n"
+    )
+    raise SystemExit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -222,7 +235,10 @@ def _say(message: str) -> None:
 
 def _count(minimum: int):
     def integer(text: str) -> int:
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value

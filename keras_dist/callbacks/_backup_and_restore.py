@@ -189,7 +189,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if restored is not None:
             set_initial_epoch(model, restored.epoch)
             epoch_logs = restored.logs if restored.batch == 0 else None
-            _monitor_state.restore(fit_callbacks(model), restored.callback_states, epoch_logs)
+            _monitor_state.restore(
+                fit_callbacks(model), restored.callback_states, epoch_logs, restored.batch
+            )
             self._batches_since_save = restored.batches_since_save
             if restored.batch > 0:
                 self._resume = restored
@@ -227,7 +229,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if scheduled:
             self._batches_since_save = 0
         if scheduled or preempted:
-            self._save(self._epoch, batch + 1, logs, self._epoch_rng_state)
+            self._save(self._epoch, batch + 1, logs, self._epoch_rng_state, batch_index=batch)
         if preempted:
             self._watcher.exit()
 
@@ -238,8 +240,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if self.save_freq == "epoch":
             self._save(epoch + 1, 0, logs, np.random.get_state())
 
-    def _save(self, epoch, batch, logs, rng_state):
-        """Every process saves: the chief into ``chief/``, the others into a temp dir."""
+    def _save(self, epoch, batch, logs, rng_state, batch_index=None):
+        """Every process saves: the chief into ``chief/``, the others into a temp dir.
+
+        ``batch_index``: the batch at whose end the backup is taken (``None`` at an epoch end).
+        """
         role = self._process_role
         dirpath = self._chief_dir if role.is_chief else role.write_dirpath(self.backup_dir)
         try:
@@ -252,7 +257,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 logs=logs,
                 rng_state=rng_state,
                 double_checkpoint=self.double_checkpoint,
-                callback_states=_monitor_state.states(fit_callbacks(self.model)),
+                callback_states=_monitor_state.states(
+                    fit_callbacks(self.model), taker=self, batch=batch_index, logs=logs
+                ),
             )
         finally:
             role.remove_temp_dirpath(self.backup_dir)

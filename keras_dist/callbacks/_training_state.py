@@ -187,12 +187,21 @@ def load(model, dirpath, *, double_checkpoint) -> "Restored | None":
         return None
     failures = []
     for candidate in candidates:
+        intact = False
         try:
-            _verify(candidate)
+            intact = _verify(candidate)
             return _load(model, candidate)
-        except _CountMismatch:
+        except BackupMismatchError:
             raise
         except _UNREADABLE as error:
+            if intact and isinstance(error, ValueError):
+                # Its files are as written: the model differs, not the backup.
+                raise BackupMismatchError(
+                    f"The backup in {candidate!r} is intact but does not fit this model: "
+                    "it was written by another model or compile() configuration. Resume "
+                    "with the same model, or give `backup_dir` a new directory. Received: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
             failures.append(f"{candidate}: {type(error).__name__}: {error}")
     raise BackupUnreadableError(
         f"The training backup in {os.path.dirname(dirpath)!r} cannot be read: every copy "
@@ -201,12 +210,14 @@ def load(model, dirpath, *, double_checkpoint) -> "Restored | None":
     )
 
 
-def _verify(candidate):
+def _verify(candidate) -> bool:
+    """Whether the copy's files carry checksums (all checked); raises if one differs."""
     checksums = _atomic_files.read_json(os.path.join(candidate, METADATA)).get("sha256")
     for name, expected in (checksums or {}).items():
         actual = _atomic_files.sha256(os.path.join(candidate, name))
         if actual != expected:
             raise _ChecksumMismatch(f"{name} does not match its checksum")
+    return bool(checksums)
 
 
 def _load(model, dirpath) -> Restored:
@@ -245,13 +256,13 @@ def _numbered(arrays, prefix) -> list:
     return [arrays[f"{prefix}{i}"] for i in range(count)]
 
 
-class _CountMismatch(ValueError):
+class BackupMismatchError(ValueError):
     """A readable backup of another model: not a damaged copy to skip."""
 
 
 def _check_count(kind, values, variables, dirpath):
     if len(values) != len(variables):
-        raise _CountMismatch(
+        raise BackupMismatchError(
             f"The backup in {dirpath!r} holds {len(values)} {kind} variables but the model "
             f"has {len(variables)}: it was written by another model or compile() "
             "configuration. Resume with the same model, or delete the backup directory. "

@@ -19,7 +19,7 @@ def resolve_cluster(environ=None):
     2. ``KERAS_DISTRIBUTION_*``;
     3. Kubeflow's JAX variables;
     4. an OpenMPI ``mpirun`` job of more than one rank (``OMPI_COMM_WORLD_SIZE``);
-    5. a Slurm step with more than one task.
+    5. a Slurm step (``srun``) with more than one task.
 
     OpenMPI comes before Slurm: ranks that ``mpirun`` starts inside a Slurm
     allocation also see the allocation's ``SLURM_*`` variables, which describe
@@ -46,9 +46,10 @@ def resolve_cluster(environ=None):
         return KubeflowClusterResolver(environ=env)
     if OpenMPIClusterResolver.detect(env):
         return OpenMPIClusterResolver(environ=env)
-    # A Slurm allocation of one task is one process; srun sets SLURM_PROCID for each task.
-    num_tasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
-    has_nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if env.get("SLURM_PROCID") and num_tasks and int(num_tasks) > 1 and has_nodes:
-        return SlurmClusterResolver(environ=env)
+    # srun sets SLURM_STEP_* for each task of a step. A batch script's own commands see
+    # only the allocation's SLURM_NTASKS: one process, not a task of a cluster.
+    num_tasks = env.get("SLURM_STEP_NUM_TASKS")
+    if env.get("SLURM_PROCID") and num_tasks and int(num_tasks) > 1:
+        if env.get("SLURM_STEP_NODELIST"):
+            return SlurmClusterResolver(environ=env)
     return None

@@ -130,6 +130,7 @@ class Strategy(DistributionStrategy):
             )
         if axis is not None:
             axis = _checked_axis("reduce", value, axis)
+            _check_alike_but_along(value, axis)
         return self._extended.reduce_value(reduce_op, value, axis)
 
     def experimental_local_results(self, value) -> tuple:
@@ -260,6 +261,24 @@ def _checked_axis(method, value, axis) -> int:
     raise ValueError(
         f"`strategy.{method}` got an axis out of range: {reason}. "
         f"Received: axis={axis}, per-replica rank={rank}"
+    )
+
+
+def _check_alike_but_along(value, axis) -> None:
+    """Replicas' values may differ along the reduced ``axis`` only (uneven batches)."""
+    if not isinstance(value, DistributedValues) or value.stacked is not None:
+        return  # one stacked array: alike by construction
+    if value.traced is not None:
+        return
+    shapes = [tuple(np.shape(c)) for c in value.values]
+    if len({len(shape) for shape in shapes}) == 1:
+        at = axis % len(shapes[0])
+        if len({shape[:at] + shape[at + 1 :] for shape in shapes}) == 1:
+            return
+    raise ValueError(
+        "`strategy.reduce` with an axis needs the replicas' values to have the same shape "
+        f"except along that axis: each is reduced along axis {axis}, then the replicas' "
+        f"results are combined. Received: per-replica shapes={shapes}, axis={axis}"
     )
 
 

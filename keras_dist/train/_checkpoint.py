@@ -16,7 +16,9 @@ at once (TF's rule, ``cluster_resolver._role``). Every process can restore.
 
 import os
 
+import jax
 import keras
+import numpy as np
 
 from keras_dist._context import running_replica_context
 from keras_dist.train import _format
@@ -128,6 +130,7 @@ class Checkpoint:
         >>> [os.path.basename(checkpoint.save(prefix)) for _ in range(2)]
         ['ckpt-1', 'ckpt-2']
         """
+        _refuse_in_replica("save")
         counter = self.save_counter
         counter.assign_add(1)
         path = f"{os.fspath(file_prefix)}-{_objects.as_int(counter)}"
@@ -172,6 +175,7 @@ class Checkpoint:
         """
         if save_path is None:
             return InitializationOnlyStatus()
+        _refuse_in_replica("restore")
         self.save_counter  # noqa: B018 -- restore gives the counter its saved value, as TF's does
         return self.read(save_path, options)
 
@@ -191,11 +195,7 @@ class Checkpoint:
         """
         if save_path is None:
             return InitializationOnlyStatus()
-        if running_replica_context() is not None:
-            raise RuntimeError(
-                "`Checkpoint.restore`/`read` must be called in the cross-replica context "
-                "(outside `strategy.run`). Received: a call inside a replica function"
-            )
+        _refuse_in_replica("read")
         save_path = _resolve(os.fspath(save_path))
         saved, saved_paths = _format.read(save_path)
         variables = _variables_for_restore(self, saved, save_path)
@@ -205,20 +205,39 @@ class Checkpoint:
                 missing[key] = variable.path
             elif tuple(saved[key].shape) != tuple(variable.shape):
                 mismatched.append(
-                    f"{key} ({variable.path}): checkpoint {tuple(saved[key].shape)}, "
-                    f"variable {tuple(variable.shape)}"
+                    f"{key} ({variable.path}): checkpoint shape {tuple(saved[key].shape)}, "
+                    f"variable shape {tuple(variable.shape)}"
+                )
+            elif _canonical(saved[key].dtype) != _canonical(variable.dtype):
+                # TF refuses too: a cast would restore other values than were saved.
+                mismatched.append(
+                    f"{key} ({variable.path}): checkpoint dtype {saved[key].dtype}, "
+                    f"variable dtype {variable.dtype}"
                 )
             else:
                 restored[key] = variable.path
         if mismatched:
             raise ValueError(
                 f"The checkpoint {save_path!r} does not fit these objects; nothing was "
-                "restored. Shapes differ for: " + "; ".join(mismatched)
+                "restored. Received: " + "; ".join(mismatched)
             )
         for key in restored:
             _objects.assign(variables[key], saved[key])
         unused = {key: saved_paths.get(key, key) for key in saved if key not in variables}
         return CheckpointLoadStatus(save_path, restored, unused, missing)
+
+
+def _refuse_in_replica(method: str) -> None:
+    if running_replica_context() is not None:
+        raise RuntimeError(
+            f"`Checkpoint.{method}` must be called in the cross-replica context (outside "
+            "`strategy.run`). Received: a call inside a replica function"
+        )
+
+
+def _canonical(dtype) -> np.dtype:
+    """``dtype`` as JAX holds it (int64 is int32 without x64): a saved value's dtype."""
+    return jax.dtypes.canonicalize_dtype(keras.backend.standardize_dtype(dtype))
 
 
 def _check_trackable(name, value) -> None:
@@ -251,11 +270,7 @@ def write_checkpoint(checkpoint: Checkpoint, save_path: str) -> bool:
 
     A non-chief writes into its ``workertemp_<id>`` directory and removes it.
     """
-    if running_replica_context() is not None:
-        raise RuntimeError(
-            "`Checkpoint.save`/`write` must be called in the cross-replica context "
-            "(outside `strategy.run`). Received: a call inside a replica function"
-        )
+    _refuse_in_replica("write")
     variables = _variables(checkpoint.tracked_objects())
     values = {key: _objects.host_value(variable) for key, variable in variables.items()}
     paths = {key: variable.path for key, variable in variables.items()}

@@ -66,7 +66,7 @@ class CheckpointManager:
                 "`CheckpointManager` manages a `kd.train.Checkpoint`. "
                 f"Received: checkpoint={type(checkpoint).__name__}"
             )
-        if max_to_keep is not None and max_to_keep < 0:
+        if max_to_keep is not None and max_to_keep <= 0:
             raise ValueError(
                 "`max_to_keep` must be a positive number of checkpoints, or None to keep "
                 f"them all. Received: max_to_keep={max_to_keep}"

@@ -221,6 +221,31 @@ def test_reduce_with_axis_one_device(engine):
     assert float(strategy.reduce("SUM", x, axis=0)) == 3.0
 
 
+def test_reduce_with_an_axis_of_values_unlike_beside_it_says_so():
+    strategy = kd.MirroredStrategy(cpus(2))
+    unlike = kd.PerReplica((np.ones((2, 1), "float32"), np.ones((2, 3), "float32")))
+    with pytest.raises(ValueError, match=r"same shape except along that axis.*\(2, 1\), \(2, 3\)"):
+        strategy.reduce("SUM", unlike, axis=0)
+    # Along the axis where they differ, they reduce (each row: 1 + 3, as TF).
+    np.testing.assert_array_equal(strategy.reduce("SUM", unlike, axis=-1), [4.0, 4.0])
+
+
+def test_compute_average_loss_and_scale_regularization_loss_need_a_replica_in_a_scope():
+    strategy = kd.MirroredStrategy(cpus(4))
+    with strategy.scope():
+        for call in (
+            lambda: kd.nn.compute_average_loss(np.ones(4, "float32")),
+            lambda: kd.nn.scale_regularization_loss(np.ones((), "float32")),
+        ):
+            with pytest.raises(RuntimeError, match="in cross replica context.*strategy.run"):
+                call()
+        # A given global batch size needs no replica (TF's rule).
+        assert float(kd.nn.compute_average_loss(np.ones(4, "float32"), global_batch_size=8)) == 0.5
+    per_replica = strategy.run(lambda: kd.nn.compute_average_loss(jnp.ones(4)))
+    assert float(strategy.reduce("SUM", per_replica, axis=None)) == 1.0
+    assert float(kd.nn.compute_average_loss(np.ones(4, "float32"))) == 1.0  # no strategy
+
+
 def test_reduce_non_distributed_value_with_sum_raises():
     strategy = kd.MirroredStrategy(cpus(2))
     with pytest.raises(ValueError, match="cannot be reduced with the given reduce op ReduceOp.SUM"):

@@ -752,3 +752,57 @@ def test_model_checkpoint_best_survives_a_restart(tmp_path, kind, checkpoint_fir
         "best_1.weights.h5",
         "best_2.weights.h5",
     ]
+
+
+# A batch-frequency ModelCheckpoint across a mid-epoch resume: the backup (every 5
+# batches) is taken at the end of the 10th, in epoch 2 after 2 of its 4 batches; the
+# checkpoint saves every 3 batches (3, 6, 9, 12, 15), so the resumed run replays 2
+# batches and must count them once, and its first save (12) compares with the best of 9.
+
+
+def _checkpoint_files(directory, kind):
+    """``{file name: weights}`` of the ``.weights.h5`` files in ``directory``."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        model = _model(kind)
+        model.load_weights(os.path.join(directory, name))
+        files[name] = model.get_weights()
+    return files
+
+
+@pytest.mark.parametrize("checkpoint_first", [True, False])
+@pytest.mark.parametrize("save_best_only", [False, True])
+def test_a_batch_frequency_checkpoint_saves_as_an_uninterrupted_run_after_a_resume(
+    tmp_path, checkpoint_first, save_best_only
+):
+    kind = "mirrored"
+
+    def callbacks(run):
+        checkpoint = ModelCheckpoint(
+            str(tmp_path / run / "w-{epoch:02d}-{batch:02d}.weights.h5"),
+            monitor="loss",
+            save_freq=3,
+            save_best_only=save_best_only,
+            save_weights_only=True,
+        )
+        backup = BackupAndRestore(str(tmp_path / f"backup-{run}"), save_freq=5)
+        return [checkpoint, backup] if checkpoint_first else [backup, checkpoint]
+
+    np.random.seed(SHUFFLE_SEED)
+    _fit(_model(kind), callbacks("uninterrupted"))
+    np.random.seed(SHUFFLE_SEED)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(_model(kind), [*callbacks("resumed"), _InterruptAtBatch(11)])
+    history = _fit(_model(kind, seed=2), callbacks("resumed"))
+    assert history.epoch == [2, 3]
+
+    expected = _checkpoint_files(tmp_path / "uninterrupted", kind)
+    found = _checkpoint_files(tmp_path / "resumed", kind)
+    if not save_best_only:
+        assert list(expected) == [f"w-0{e}-0{b}.weights.h5" for e, b in CHECKPOINTED_AT]
+    assert list(found) == list(expected)
+    for name, weights in expected.items():
+        _assert_equal_arrays(found[name], weights)
+
+
+CHECKPOINTED_AT = [(1, 3), (2, 2), (3, 1), (3, 4), (4, 3)]  # Keras's 1-based names

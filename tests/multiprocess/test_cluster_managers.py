@@ -143,12 +143,13 @@ def test_srun_parameter_server_job_trains_and_ends_with_its_chief(slurm, tmp_pat
     # Every task must share the token: the servers refuse requests without it.
     env = {**_task_env(port), "KERAS_DIST_CLUSTER_TOKEN": secrets.token_hex(16)}
     # srun returns only once every task has exited: the servers stopped when the chief ended.
-    (ps, worker0, worker1, chief), report = _srun(slurm, tmp_path, 4, "ps", str(port), env=env)
+    # TF's order: the jobs take the ranks by name, so rank 0 is the chief.
+    (chief, ps, worker0, worker1), report = _srun(slurm, tmp_path, 4, "ps", str(port), env=env)
     host = slurm.host
     assert chief["cluster"] == {
-        "ps": [f"{host}:{port}"],
-        "worker": [f"{host}:{port + 1}", f"{host}:{port + 2}"],
-        "chief": [f"{host}:{port + 3}"],
+        "chief": [f"{host}:{port}"],
+        "ps": [f"{host}:{port + 1}"],
+        "worker": [f"{host}:{port + 2}", f"{host}:{port + 3}"],
     }, report
     assert chief["task"] == ["chief", 0], report
     assert chief["devices"] == ["/job:ps/replica:0/task:0/device:CPU:0"], report

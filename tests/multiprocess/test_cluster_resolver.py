@@ -291,45 +291,100 @@ def test_cluster_spec_rejects_bad_input():
 # Slurm, Kubeflow, Keras and resolve_cluster (docs/architecture.md, "Several processes")
 
 
-def test_slurm_hostlist_and_tasks_per_node():
-    env = {
-        "SLURM_PROCID": "4",
-        "SLURM_NTASKS": "5",
-        "SLURM_JOB_NODELIST": "node[01-02],other",
-        "SLURM_TASKS_PER_NODE": "2(x2),1",
+def _slurm_step(rank, nodes, tasks_per_node, num_tasks, **extra):
+    """What srun sets for one task of a step (no GPUs: CUDA_VISIBLE_DEVICES is empty)."""
+    return {
+        "SLURM_PROCID": str(rank),
+        "SLURM_STEP_NUM_TASKS": str(num_tasks),
+        "SLURM_STEP_NODELIST": nodes,
+        "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+        "CUDA_VISIBLE_DEVICES": "",
+        **extra,
     }
+
+
+def test_slurm_hostlist_and_tasks_per_node():
+    env = _slurm_step(4, "node[01-02],other", "2(x2),1", 5)
     resolver = cr.SlurmClusterResolver(environ=env)
     assert resolver.cluster_spec().as_dict() == {
         "worker": ["node01:8888", "node01:8889", "node02:8888", "node02:8889", "other:8888"]
     }
-    assert (resolver.task_type, resolver.task_id) == ("worker", 4)
+    assert resolver.get_task_info() == ("worker", 4)
     assert resolver.master() == "grpc://other:8888"
     assert resolver.master("worker", 1, rpc_layer="test") == "test://node01:8889"
 
 
-def test_slurm_step_variables_jobs_and_port_base():
-    env = {
-        "SLURM_PROCID": "1",
-        "SLURM_NTASKS": "99",
-        "SLURM_STEP_NUM_TASKS": "3",
-        "SLURM_JOB_NODELIST": "ignored",
-        "SLURM_STEP_NODELIST": "n[1,3-4]",
-    }
-    resolver = cr.SlurmClusterResolver(
-        jobs={"ps": 1, "worker": 2}, port_base=9000, rpc_layer=None, environ=env
-    )
+def test_slurm_jobs_take_the_ranks_in_tfs_order_of_job_names_and_nodes():
+    # TF sorts the jobs by name and the nodes by host name: rank 0 is the chief.
+    env = _slurm_step(1, "n4,n[1,3]", "1(x2),2", 4, SLURM_NTASKS="99")
+    jobs = {"ps": 1, "worker": 2, "chief": 1}
+    resolver = cr.SlurmClusterResolver(jobs=jobs, port_base=9000, rpc_layer=None, environ=env)
     assert resolver.cluster_spec().as_dict() == {
-        "ps": ["n1:9000"],
-        "worker": ["n3:9000", "n4:9000"],
+        "chief": ["n1:9000"],
+        "ps": ["n3:9000"],
+        "worker": ["n3:9001", "n4:9000"],
     }
-    assert (resolver.task_type, resolver.task_id) == ("worker", 0)
+    assert resolver.get_task_info() == ("ps", 0)
     assert resolver.master() == "n3:9000"
-    with pytest.raises(RuntimeError, match="Requested more tasks than assigned tasks"):
-        cr.SlurmClusterResolver(jobs={"worker": 4}, environ=env)
+    for asked in ({"worker": 5}, {"worker": 3}):  # TF: more or fewer than the step's tasks
+        with pytest.raises(RuntimeError, match=f"Requested {asked['worker']} tasks but only 4"):
+            cr.SlurmClusterResolver(jobs=asked, environ=env)
+    # tasks_per_node as a dict is the cluster, whatever the step's nodes.
+    given = cr.SlurmClusterResolver(
+        jobs={"worker": 2}, tasks_per_node={"b": 1, "a": 1}, environ=env
+    )
+    assert given.cluster_spec().as_dict() == {"worker": ["a:8888", "b:8888"]}
+
+
+def test_slurm_outside_a_step_or_with_bad_variables_says_what_is_wrong():
+    batch_script = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    with pytest.raises(RuntimeError, match="SLURM_STEP_NODELIST not found.*srun"):
+        cr.SlurmClusterResolver(environ=batch_script)
+    assert cr.resolve_cluster(batch_script) is None  # one process, not a 2-task wait
+    with pytest.raises(RuntimeError, match="SLURM_PROCID not found"):
+        cr.SlurmClusterResolver(environ={})
+    for hostlist, bad in (("node[a-b]", "'a-b'"), ("node[1-2", "unbalanced")):
+        expected = rf'Invalid hostlist format "{re.escape(hostlist)}".*{bad}'
+        with pytest.raises(ValueError, match=expected):
+            cr.SlurmClusterResolver(environ=_slurm_step(0, hostlist, "1(x2)", 2))
+    with pytest.raises(ValueError, match='Invalid tasks-per-node list format "2x"'):
+        cr.SlurmClusterResolver(environ=_slurm_step(0, "n1", "2x", 2))
+    with pytest.raises(ValueError, match="SLURM_PROCID=2"):
+        cr.SlurmClusterResolver(environ=_slurm_step(2, "n1", "2", 2))
+    with pytest.raises(ValueError, match="port_base=65535"):
+        cr.SlurmClusterResolver(port_base=65535, environ=_slurm_step(0, "n1", "2", 2))
+
+
+def test_slurm_gpus_are_shared_between_a_nodes_tasks_as_tf_shares_them():
+    # 2 nodes of 4 GPUs, 2 tasks each: rank 3 is node n2's second task, GPUs 2 and 3.
+    def env_of_rank_3():
+        return _slurm_step(3, "n[1-2]", "2(x2)", 4, CUDA_VISIBLE_DEVICES="0,1,2,3")
+
+    env = env_of_rank_3()
+    resolver = cr.SlurmClusterResolver(environ=env)
+    assert resolver.local_gpu_ids() == [2, 3]
+    assert resolver.num_accelerators() == {"GPU": 2}
+    resolver.cluster_spec()
+    assert env["JAX_LOCAL_DEVICE_IDS"] == "2,3"  # where JAX takes its local devices from
+    mine = {**env, "JAX_LOCAL_DEVICE_IDS": "0"}
+    cr.SlurmClusterResolver(environ=mine).cluster_spec()
+    assert mine["JAX_LOCAL_DEVICE_IDS"] == "0"  # the user's choice stands
+    off = env_of_rank_3()
+    cr.SlurmClusterResolver(auto_set_gpu=False, environ=off).cluster_spec()
+    assert "JAX_LOCAL_DEVICE_IDS" not in off
+    with pytest.raises(RuntimeError, match="Requested more GPUs per node than available"):
+        cr.SlurmClusterResolver(gpus_per_task=3, environ=env)
+    # Slurm bound one GPU to each task: the task uses the one it sees.
+    bound = _slurm_step(1, "n1", "2", 2, CUDA_VISIBLE_DEVICES="1")
+    assert cr.SlurmClusterResolver(environ=bound).local_gpu_ids() == [0]
+    # No GPUs: nothing is set.
+    cpu = _slurm_step(1, "n1", "2", 2)
+    cr.SlurmClusterResolver(environ=cpu).cluster_spec()
+    assert "JAX_LOCAL_DEVICE_IDS" not in cpu
 
 
 def test_slurm_port_base_comes_from_the_environment_unless_given():
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    env = _slurm_step(1, "n[1-2]", "1(x2)", 2)
     with_base = {**env, "KERAS_DIST_SLURM_PORT_BASE": "20000"}
     assert cr.SlurmClusterResolver(environ=with_base).cluster_spec().as_dict() == {
         "worker": ["n1:20000", "n2:20000"]
@@ -458,7 +513,7 @@ def test_resolve_cluster_order():
         "KERAS_DISTRIBUTION_PROCESS_ID": "0",
     }
     kubeflow = {"COORDINATOR_ADDRESS": "c", "NUM_PROCESSES": "2", "PROCESS_ID": "0"}
-    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    slurm = _slurm_step(0, "n[1-2]", "1(x2)", 2)
     everything = {"TF_CONFIG": tf_config, **keras, **kubeflow, **slurm}
     assert isinstance(cr.resolve_cluster(everything), cr.TFConfigClusterResolver)
     # TF_CONFIG without a cluster does not count.
@@ -466,7 +521,7 @@ def test_resolve_cluster_order():
     assert isinstance(cr.resolve_cluster(no_cluster), cr.KerasDistributionClusterResolver)
     assert isinstance(cr.resolve_cluster({**kubeflow, **slurm}), cr.KubeflowClusterResolver)
     assert isinstance(cr.resolve_cluster(slurm), cr.SlurmClusterResolver)
-    assert cr.resolve_cluster({**slurm, "SLURM_NTASKS": "1"}) is None
+    assert cr.resolve_cluster({**slurm, "SLURM_STEP_NUM_TASKS": "1"}) is None
     assert cr.resolve_cluster({}) is None
     # mpirun's ranks inside a Slurm allocation see its SLURM_* too: OpenMPI's variables win.
     ompi = _ompi(rank="1", size="2")

@@ -679,3 +679,22 @@ def test_cli_in_process_timeout_help_and_errors(script, capsys):
         cli_main(["launch", "missing.py"])
     assert "no such script" in capsys.readouterr().err
     assert cli_main([]) == 2
+
+
+@pytest.mark.parametrize(
+    "arguments, said",
+    [
+        (["--workers", "abc"], "--workers: must be a whole number, got 'abc'"),
+        (["--workers", "2", "--devices-per-worker", "2,2,2"], "one count per task"),
+        (["--workers", "1", "--log-dir", "/proc/no-such-dir"], "/proc/no-such-dir"),
+    ],
+)
+def test_cli_options_that_do_not_fit_are_argparse_errors_not_tracebacks(
+    script, capsys, arguments, said
+):
+    with pytest.raises(SystemExit) as info:
+        cli_main(["launch", *arguments, script])
+    assert info.value.code == 2
+    error = capsys.readouterr().err
+    assert "keras-dist launch: error:" in error and said in error
+    assert "Traceback" not in error

@@ -178,6 +178,22 @@ def test_a_backup_with_no_readable_copy_names_its_directory(tmp_path):
     assert "training_state.npz does not match its checksum" in message
 
 
+def test_a_backup_of_another_model_is_reported_as_such_not_as_damaged(tmp_path):
+    strategy = kd.MirroredStrategy(cpus(2))
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, double_checkpoint=True)
+    _fit(_model(strategy), [backup], epochs=2)
+    with strategy.scope():
+        wider = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+        wider.compile(keras.optimizers.Adam(0.01), "mse")
+    with pytest.raises(_training_state.BackupMismatchError) as error:
+        _fit(wider, [backup], epochs=3)
+    message = str(error.value)
+    assert "is intact but does not fit this model" in message and "damaged" not in message
+    assert "(3, 4)" in message and "(3, 8)" in message  # Keras's own shape error, quoted
+    # Nothing was skipped or changed: the model that wrote it resumes from it.
+    assert _fit(_model(strategy), [backup], epochs=3).epoch == [2]
+
+
 def test_a_save_killed_between_its_renames_resumes_from_a_complete_copy(tmp_path):
     strategy = kd.MirroredStrategy(cpus(2))
     backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)

@@ -319,6 +319,38 @@ def test_restore_checks_shapes_and_what_it_can_hold(tmp_path):
         kd.train.Checkpoint(save_counter=keras.Variable(0))
     with pytest.raises(FileNotFoundError, match="no-such"):
         kd.train.Checkpoint(v=w).restore(str(tmp_path / "no-such"))
+    # Another dtype is refused, as TF refuses it (a cast would give other values).
+    number = kd.train.Checkpoint(v=keras.Variable(2.7)).write(str(tmp_path / "float"))
+    count = keras.Variable(0, dtype="int32")
+    with pytest.raises(ValueError, match=r"checkpoint dtype float32, variable dtype int32"):
+        kd.train.Checkpoint(v=count).read(number)
+    assert int(count.numpy()) == 0
+    # An optimizer's int64 counter holds int32 values without x64: that restores.
+    iterations = keras.Variable(7, dtype="int64")
+    saved = kd.train.Checkpoint(i=iterations).write(str(tmp_path / "iterations"))
+    iterations.assign(0)
+    kd.train.Checkpoint(i=iterations).read(saved).assert_consumed()
+    assert int(iterations.numpy()) == 7
+
+
+@pytest.mark.parametrize("method", ["save", "write", "restore", "read"])
+def test_checkpoint_calls_inside_a_replica_say_where_to_call_them(tmp_path, method):
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        v = keras.Variable(1.0)
+    checkpoint = kd.train.Checkpoint(v=v)
+    path = kd.train.Checkpoint(v=v).write(str(tmp_path / "first"))
+    argument = path if method in ("restore", "read") else str(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match=f"`Checkpoint.{method}` must be called in the cross"):
+        strategy.run(lambda: getattr(checkpoint, method)(argument))
+    assert int(checkpoint.save_counter.numpy()) == 0  # nothing counted
+
+
+def test_max_to_keep_must_be_positive_or_none(tmp_path):
+    checkpoint = kd.train.Checkpoint(v=keras.Variable(1.0))
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"positive.*Received: max_to_keep={bad}"):
+            kd.train.CheckpointManager(checkpoint, str(tmp_path), max_to_keep=bad)
 
 
 def test_unbuilt_optimizer_needs_one_model_to_build_for(tmp_path):

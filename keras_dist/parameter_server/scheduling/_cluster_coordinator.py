@@ -25,6 +25,7 @@ from keras_dist.parameter_server.scheduling._worker_thread import PsVersions
 from keras_dist.parameter_server.scheduling._worker_thread import WorkerThread
 
 PS_PROBE_INTERVAL = 2.0
+PS_STUCK_AFTER = 30.0  # seconds without an answer before a ps task counts as lost
 CLOSURES_PER_WORKER = 1
 
 
@@ -189,12 +190,23 @@ def _takes_argument(fn) -> bool:
 
 
 def _watch_ps(servers, queue, alive) -> None:
-    """Pings every ps task; a lost one becomes the error ``join``/``schedule`` raise."""
+    """Pings every ps task; a lost one becomes the error ``join``/``schedule`` raise.
+
+    A task that cannot be reached is lost at once. One that answers no ping for
+    ``PS_STUCK_AFTER`` seconds is lost too; a slower answer is a busy task (a
+    loaded machine, a long collection), not a lost one.
+    """
+    silent_since = {}
     while alive() and not queue.stopped:
         for task in range(servers.num_ps):
             try:
                 servers.ping(task, timeout=PS_PROBE_INTERVAL)
+                silent_since.pop(task, None)
             except errors.OpError as error:
+                if isinstance(error, errors.DeadlineExceededError):
+                    since = silent_since.setdefault(task, time.monotonic())
+                    if time.monotonic() - since < PS_STUCK_AFTER:
+                        continue
                 name = servers.clients[task].name
                 queue.set_error(
                     errors.UnavailableError(

@@ -1,0 +1,63 @@
+"""What Keras's ``ModelCheckpoint`` keeps to itself, read and set for ``BackupAndRestore``.
+
+A resumed ``fit`` builds new callbacks. To save at the batches and compare with the
+best value an uninterrupted run would, a ``ModelCheckpoint`` needs back its direction
+(``monitor_op``, set by Keras only at an epoch end) and its count of batches since its
+last save (Keras's private counter).
+
+>>> import keras
+>>> checkpoint = keras.callbacks.ModelCheckpoint("m.keras", save_freq=3, mode="min")
+>>> checkpoint_batch_count(checkpoint)
+(0, None)
+>>> checkpoint_batch_count_through(checkpoint, 1)  # after batches 0 and 1 of an epoch
+(2, 1)
+>>> set_checkpoint_batch_count(checkpoint, 2, 1)
+>>> checkpoint_batch_count(checkpoint)
+(2, 1)
+"""
+
+import keras
+
+_OPS = {"min": keras.ops.less, "max": keras.ops.greater}
+
+
+def checkpoint_batch_count(checkpoint) -> tuple:
+    """``(batches since its last save, index of the last batch it saw)``."""
+    return checkpoint._batches_seen_since_last_saving, checkpoint._last_batch_seen
+
+
+def set_checkpoint_batch_count(checkpoint, seen: int, last_batch) -> None:
+    """Gives ``checkpoint`` the count ``batch_count`` read."""
+    checkpoint._batches_seen_since_last_saving = seen
+    checkpoint._last_batch_seen = last_batch
+
+
+def checkpoint_batch_count_through(checkpoint, batch: int) -> tuple:
+    """The count once ``checkpoint`` has seen the end of ``batch``, by Keras's own rule.
+
+    A batch index not above the last one seen starts a new epoch; reaching
+    ``save_freq`` saves and starts the count again.
+    """
+    seen, last = checkpoint_batch_count(checkpoint)
+    seen += batch + 1 if last is None or batch <= last else batch - last
+    return (0 if seen >= checkpoint.save_freq else seen), batch
+
+
+def checkpoint_direction(checkpoint) -> "str | None":
+    """``"min"`` or ``"max"`` where known without the model's metrics, else ``None``."""
+    for name, op in _OPS.items():
+        if checkpoint.monitor_op is op:
+            return name
+    mode = checkpoint.mode
+    if mode == "auto" and checkpoint.monitor.removeprefix("val_") == "loss":
+        mode = "min"
+    return mode if mode in _OPS else None
+
+
+def set_checkpoint_direction(checkpoint, name: "str | None") -> None:
+    """Sets ``monitor_op`` (and ``min_delta``'s sign) as Keras's ``_set_monitor_op`` would."""
+    if name is None or checkpoint.monitor_op is not None:
+        return
+    checkpoint.monitor_op = _OPS[name]
+    margin = abs(checkpoint.min_delta)
+    checkpoint.min_delta = -margin if name == "min" else margin
