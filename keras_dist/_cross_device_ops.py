@@ -101,8 +101,15 @@ class CrossDeviceOps:
         """Copies ``tensor`` to every destination device, as a ``Mirrored`` value."""
         return _context.get_strategy().extended.broadcast_to(tensor, destinations)
 
-    def reduce_in_replica(self, reduce_op: ReduceOp, leaves: list, num_replicas: int) -> list:
-        """Reduces ``leaves`` across the ``"replica"`` axis; call under ``shard_map``."""
+    def reduce_in_replica(
+        self, reduce_op: ReduceOp, leaves: list, num_replicas: int, *, true_mean=False
+    ) -> list:
+        """Reduces ``leaves`` across the ``"replica"`` axis; call under ``shard_map``.
+
+        A ``MEAN`` of integers divides as integers, unless ``true_mean``: TF's
+        ``MirroredStrategy`` gives a float there (1 and 2 give 1.5), its collectives
+        across workers and a variable's own reads give integers.
+        """
         if not leaves:
             return []
         if num_replicas == 1:
@@ -110,7 +117,7 @@ class CrossDeviceOps:
         operands, unpack = _pack(leaves, self._max_packed_elements)
         reduced = self._reduce_operands(operands, num_replicas)
         if reduce_op is ReduceOp.MEAN:
-            reduced = [_divide(b, num_replicas) for b in reduced]
+            reduced = [_divide(b, num_replicas, true_mean) for b in reduced]
         return unpack(reduced)
 
     _max_packed_elements = None  # pack everything
@@ -121,18 +128,20 @@ class CrossDeviceOps:
     def _reduce_buffer(self, buffer, num_replicas):
         raise NotImplementedError
 
-    def reduce_components(self, placement, reduce_op, stacked_leaves):
+    def reduce_components(self, placement, reduce_op, stacked_leaves, true_mean=False):
         """Cross-replica reduction of stacked ``(n, ...)`` arrays; results replicated.
 
-        ``placement`` is the strategy's ``Placement`` (its mesh and executor).
+        ``placement`` is the strategy's ``Placement`` (its mesh and executor);
+        ``true_mean`` as in ``reduce_in_replica``.
         """
-        key = (placement.mesh, reduce_op, len(stacked_leaves))
+        key = (placement.mesh, reduce_op, len(stacked_leaves), true_mean)
         fn = self._jitted.get(key)
         if fn is None:
             n = placement.num_replicas
 
             def body(*leaves):
-                return tuple(self.reduce_in_replica(reduce_op, [x[0] for x in leaves], n))
+                firsts = [x[0] for x in leaves]
+                return tuple(self.reduce_in_replica(reduce_op, firsts, n, true_mean=true_mean))
 
             fn = jax.jit(
                 jax.shard_map(
@@ -150,8 +159,8 @@ class CrossDeviceOps:
         return f"{type(self).__name__}()"
 
 
-def _divide(buffer, n):
-    if jnp.issubdtype(buffer.dtype, jnp.integer):
+def _divide(buffer, n, true_mean=False):
+    if jnp.issubdtype(buffer.dtype, jnp.integer) and not true_mean:
         return buffer // n
     return buffer / n
 
@@ -239,7 +248,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         gathered = lax.all_gather(buffer, AXIS, axis=0)
         return self.accumulation_fn([gathered[i] for i in range(num_replicas)])
 
-    def reduce_components(self, placement, reduce_op, stacked_leaves):
+    def reduce_components(self, placement, reduce_op, stacked_leaves, true_mean=False):
         target = (
             resolve_device(self.reduce_to_device)
             if self.reduce_to_device is not None
@@ -251,7 +260,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             parts = [jax.device_put(c, target) for c in unstack(stacked)]
             total = self.accumulation_fn(parts)
             if reduce_op is ReduceOp.MEAN:
-                total = _divide(total, n)
+                total = _divide(total, n, true_mean)
             out.append(jax.device_put(total, placement.replicated))
         return out
 

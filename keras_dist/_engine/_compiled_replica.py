@@ -87,8 +87,15 @@ class CompiledReplica(ReplicaEngine, TracedMerge):
     def all_reduce(self, reduce_op, value):
         leaves, treedef = jax.tree_util.tree_flatten(value)
         leaves = [jnp.asarray(x) for x in leaves]
-        reduced = self._cross_device_ops.reduce_in_replica(reduce_op, leaves, self.num_replicas)
+        reduced = self._cross_device_ops.reduce_in_replica(
+            reduce_op, leaves, self.num_replicas, true_mean=self._true_mean
+        )
         return jax.tree_util.tree_unflatten(treedef, reduced)
+
+    @property
+    def _true_mean(self) -> bool:
+        """TF divides a MEAN of integers into a float on one host (see ``reduce_in_replica``)."""
+        return not self._extended.spans_processes
 
     def all_gather(self, value, axis):
         return jax.tree_util.tree_map(
@@ -112,7 +119,9 @@ class CompiledReplica(ReplicaEngine, TracedMerge):
                 locals_.append(local_part(value))
             else:
                 results[i] = self._extended.reduce_non_distributed(reduce_op, value)
-        reduced = self._cross_device_ops.reduce_in_replica(reduce_op, locals_, self.num_replicas)
+        reduced = self._cross_device_ops.reduce_in_replica(
+            reduce_op, locals_, self.num_replicas, true_mean=self._true_mean
+        )
         for i, r in zip(positions, reduced):
             results[i] = Mirrored(None, _traced=_TracedValue(r, self), _validate=False)
         return results

@@ -130,7 +130,9 @@ class CrossReplica(ReplicaCopies):
                 continue
             total = _sum(value.values, "reduce")
             if reduce_op is ReduceOp.MEAN:
-                total = _divide(total, self.num_replicas)
+                # As the compiled engine: a float on one host, as TF's MirroredStrategy.
+                true_mean = not self._extended.spans_processes
+                total = _divide(total, self.num_replicas, true_mean)
             results.append(self.wrap((total,) * self.num_replicas, Mirrored))
         return results
 
@@ -199,7 +201,7 @@ def _sum(components, what):
     return total
 
 
-def _divide(total, n):
-    if jnp.issubdtype(total.dtype, jnp.integer):
+def _divide(total, n, true_mean=False):
+    if jnp.issubdtype(total.dtype, jnp.integer) and not true_mean:
         return total // n  # as the compiled engine's all-reduce of integers
     return total / n

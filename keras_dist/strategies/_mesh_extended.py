@@ -253,7 +253,9 @@ class MeshExtended(StrategyExtended, MeshRuntime):
         distributed = [i for i in distributed if i not in in_program]
         if distributed:
             stacked = [self._placement.as_stacked(values[i]) for i in distributed]
-            reduced = self._cross_device_ops.reduce_components(self._placement, reduce_op, stacked)
+            reduced = self._cross_device_ops.reduce_components(
+                self._placement, reduce_op, stacked, true_mean=not self.spans_processes
+            )
             for i, r in zip(distributed, reduced):
                 results[i] = self._place(r, value_destination_pairs[i][1])
         return results

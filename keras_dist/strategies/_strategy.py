@@ -26,6 +26,7 @@ from keras_dist._input._host_arrays import to_host_arrays
 from keras_dist._input._host_arrays import warn_if_int64_narrowed
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._values import DistributedValues
+from keras_dist._values import PerReplica
 from keras_dist._values._local_results import LocalResults
 from keras_dist._values._variables import MirroredVariable
 from keras_dist._values._variables import SyncOnReadVariable
@@ -88,6 +89,13 @@ class Strategy(DistributionStrategy):
         scalars and other non-array arguments are constants of the trace.
         Call in cross-replica context.
         """
+        if not isinstance(args, (list, tuple)):
+            # TF's rule: ``args=x`` would otherwise become fn(x) or fn(*x) by accident.
+            raise ValueError(
+                "positional args must be a list or tuple: `strategy.run(fn, args=(x,))` "
+                "calls fn(x), `args=()` calls fn(). Received: args="
+                f"{args!r} of type {type(args).__name__}"
+            )
         args, kwargs = _without_tensorflow_values((args, kwargs or {}))
         return self._extended.call_for_each_replica(fn, args, kwargs)
 
@@ -114,6 +122,7 @@ class Strategy(DistributionStrategy):
         reduce_op = ReduceOp.from_value(reduce_op)
         require_cross_replica("reduce")
         value = _without_tensorflow_values(value)
+        value = self._variable_as_per_replica(value)
         if _is_nest(value) and _is_nest_of_distributed(value):
             # ``run``'s results as they come (a tuple or dict of per-replica values):
             # TF reduces each element.
@@ -132,6 +141,21 @@ class Strategy(DistributionStrategy):
             axis = _checked_axis("reduce", value, axis)
             _check_alike_but_along(value, axis)
         return self._extended.reduce_value(reduce_op, value, axis)
+
+    def _variable_as_per_replica(self, value):
+        """A distributed variable reduced as TF reduces it: its per-replica values
+        (a SyncOnRead variable's components; a mirrored one's copies), where they are all
+        here and stored (not in a trace, not split over workers)."""
+        if not isinstance(value, (MirroredVariable, SyncOnReadVariable)):
+            return value
+        extended = self._extended
+        if value.scope_value() is not None or _context.current_function_trace() is not None:
+            return value
+        if extended.num_replicas_in_sync == 1:
+            return value
+        if isinstance(extended, MeshRuntime) and extended.spans_processes:
+            return value
+        return PerReplica(_variable_copies(value, extended.num_replicas_in_sync))
 
     def experimental_local_results(self, value) -> tuple:
         """The components of ``value`` on this process's replicas, as a tuple.

@@ -74,6 +74,13 @@ class VariableRegistry:
             # tf.keras keeps batch-norm statistics per replica (ON_READ, MEAN);
             # Keras 3 makes them plain variables. Under a strategy, TF's choice.
             make_per_replica_statistic(variable)
+        if variable.synchronization == "none" and self._placement.num_replicas > 1:
+            raise ValueError(
+                "`NONE` variable synchronization mode is not supported with tf.distribute "
+                "strategy (as in TF): a variable of a strategy is kept in step on every "
+                "replica. Use synchronization='auto' (or 'on_read' for per-replica values). "
+                f"Received: synchronization='none' for {variable.path!r}"
+            )
         cls = SyncOnReadVariable if variable.synchronization == "on_read" else MirroredVariable
         set_variable_class(variable, cls)
         variable.attach_to(self._strategy)

@@ -222,6 +222,21 @@ def test_all_reduce_in_replica(ops, n, engine):
         )
 
 
+def test_a_mean_of_integers_is_a_float_on_one_host_as_tf(ops, engine):
+    # TF 2.21's MirroredStrategy, int32 1 and 2 on 2 replicas: 1.5 from all_reduce,
+    # batch_reduce_to and reduce alike (floor division would give 1).
+    strategy = kd.MirroredStrategy(cpus(2), cross_device_ops=ops)
+    ints = strategy.experimental_distribute_values_from_function(
+        lambda context: np.int32(context.replica_id_in_sync_group + 1)
+    )
+    in_replica = strategy.run(lambda x: kd.get_replica_context().all_reduce("MEAN", x), (ints,))
+    with strategy.scope():
+        (batch,) = strategy.extended.batch_reduce_to("MEAN", [(ints, None)])
+    for value in (*strategy.experimental_local_results(in_replica), batch):
+        assert np.asarray(value).dtype == np.float32 and float(np.asarray(value)) == 1.5
+    assert float(strategy.reduce("MEAN", ints, axis=None)) == 1.5
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_all_reduce_nest_in_replica(ops, n, engine):
     # Several tensors of several dtypes and shapes in one all_reduce: packed

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import keras
 import numpy as np
 import pytest
 from conftest import cpus
@@ -230,6 +231,14 @@ def test_reduce_with_an_axis_of_values_unlike_beside_it_says_so():
     np.testing.assert_array_equal(strategy.reduce("SUM", unlike, axis=-1), [4.0, 4.0])
 
 
+@pytest.mark.parametrize("args", [None, 3.0, {"x": 1.0}])
+def test_run_takes_args_as_a_list_or_tuple_as_tf(args):
+    strategy = kd.MirroredStrategy(cpus(2))
+    with pytest.raises(ValueError, match="positional args must be a list or tuple.*Received"):
+        strategy.run(lambda *a: 1.0, args=args)
+    assert _local(strategy, strategy.run(lambda x: x + 1.0, args=[1.0])) == [2.0, 2.0]
+
+
 def test_compute_average_loss_and_scale_regularization_loss_need_a_replica_in_a_scope():
     strategy = kd.MirroredStrategy(cpus(4))
     with strategy.scope():
@@ -331,3 +340,29 @@ def test_reduce_of_a_nest_reduces_each_element_as_tf(engine):
     np.testing.assert_array_equal(
         np.asarray(strategy.reduce("MEAN", [1.0, 2.0], axis=None)), [1, 2]
     )
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean", "only_first_replica"])
+def test_reduce_of_a_distributed_variable_reduces_its_per_replica_values_as_tf(aggregation):
+    # TF 2.21 on 2 replicas, components [1, 2]: SUM 3.0 and MEAN 1.5 for every aggregation;
+    # a mirrored 2.0: SUM 4.0, MEAN 2.0.
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        on_read = keras.Variable(0.0, synchronization="on_read", aggregation=aggregation)
+        mirrored = keras.Variable(2.0)
+    strategy.run(lambda: on_read.assign(jnp.float32(_replica_id() + 1)))
+    assert _local(strategy, on_read) == [1.0, 2.0]
+    assert float(strategy.reduce("SUM", on_read, axis=None)) == 3.0
+    assert float(strategy.reduce("MEAN", on_read, axis=None)) == 1.5
+    assert float(strategy.reduce("SUM", mirrored, axis=None)) == 4.0
+    assert float(strategy.reduce("MEAN", mirrored, axis=None)) == 2.0
+
+
+def test_a_variable_without_synchronization_is_refused_in_a_scope_as_tf():
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        with pytest.raises(ValueError, match="`NONE` variable synchronization mode is not"):
+            keras.Variable(1.0, synchronization="none")
+    assert float(keras.Variable(1.0, synchronization="none").numpy()) == 1.0  # no strategy
+    with kd.OneDeviceStrategy("/cpu:0").scope():  # TF's OneDeviceStrategy allows it too
+        assert float(keras.Variable(2.0, synchronization="none").numpy()) == 2.0
