@@ -139,7 +139,7 @@ class Strategy(DistributionStrategy):
             )
         if axis is not None:
             axis = _checked_axis("reduce", value, axis)
-            _check_alike_but_along(value, axis)
+            _check_alike_but_along("reduce", value, axis)
         return self._extended.reduce_value(reduce_op, value, axis)
 
     def _variable_as_per_replica(self, value):
@@ -196,6 +196,7 @@ class Strategy(DistributionStrategy):
         require_cross_replica("gather")
         value = _without_tensorflow_values(value)
         axis = _checked_axis("gather", value, axis)
+        _check_alike_but_along("gather", value, axis)
         return self._extended.gather_value(value, axis)
 
     def experimental_distribute_values_from_function(self, value_fn):
@@ -288,8 +289,8 @@ def _checked_axis(method, value, axis) -> int:
     )
 
 
-def _check_alike_but_along(value, axis) -> None:
-    """Replicas' values may differ along the reduced ``axis`` only (uneven batches)."""
+def _check_alike_but_along(method, value, axis) -> None:
+    """Replicas' values may differ along ``axis`` only (uneven batches)."""
     if not isinstance(value, DistributedValues) or value.stacked is not None:
         return  # one stacked array: alike by construction
     if value.traced is not None:
@@ -300,9 +301,9 @@ def _check_alike_but_along(value, axis) -> None:
         if len({shape[:at] + shape[at + 1 :] for shape in shapes}) == 1:
             return
     raise ValueError(
-        "`strategy.reduce` with an axis needs the replicas' values to have the same shape "
-        f"except along that axis: each is reduced along axis {axis}, then the replicas' "
-        f"results are combined. Received: per-replica shapes={shapes}, axis={axis}"
+        f"`strategy.{method}` with an axis needs the replicas' values to have the same "
+        f"rank and shape except along that axis ({method} along axis {axis}). Received: "
+        f"per-replica shapes={shapes}, axis={axis}"
     )
 
 

@@ -225,8 +225,12 @@ def test_reduce_with_axis_one_device(engine):
 def test_reduce_with_an_axis_of_values_unlike_beside_it_says_so():
     strategy = kd.MirroredStrategy(cpus(2))
     unlike = kd.PerReplica((np.ones((2, 1), "float32"), np.ones((2, 3), "float32")))
-    with pytest.raises(ValueError, match=r"same shape except along that axis.*\(2, 1\), \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"shape except along that axis.*\(2, 1\), \(2, 3\)"):
         strategy.reduce("SUM", unlike, axis=0)
+    # gather too (TF raises ValueError or InvalidArgumentError, not a TypeError).
+    with pytest.raises(ValueError, match=r"`strategy.gather` with an axis.*\(2, 1\), \(2, 3\)"):
+        strategy.gather(unlike, axis=0)
+    np.testing.assert_array_equal(strategy.gather(unlike, axis=1), np.ones((2, 4)))
     # Along the axis where they differ, they reduce (each row: 1 + 3, as TF).
     np.testing.assert_array_equal(strategy.reduce("SUM", unlike, axis=-1), [4.0, 4.0])
 
