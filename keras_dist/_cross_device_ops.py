@@ -28,6 +28,7 @@ from keras_dist import _context
 from keras_dist._devices import resolve_device
 from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._reduce_op import ReduceOp
+from keras_dist._reduce_op import mean_of
 from keras_dist._values import unstack
 
 
@@ -117,7 +118,7 @@ class CrossDeviceOps:
         operands, unpack = _pack(leaves, self._max_packed_elements)
         reduced = self._reduce_operands(operands, num_replicas)
         if reduce_op is ReduceOp.MEAN:
-            reduced = [_divide(b, num_replicas, true_mean) for b in reduced]
+            reduced = [mean_of(b, num_replicas, not true_mean) for b in reduced]
         return unpack(reduced)
 
     _max_packed_elements = None  # pack everything
@@ -157,12 +158,6 @@ class CrossDeviceOps:
 
     def __repr__(self):
         return f"{type(self).__name__}()"
-
-
-def _divide(buffer, n, true_mean=False):
-    if jnp.issubdtype(buffer.dtype, jnp.integer) and not true_mean:
-        return buffer // n
-    return buffer / n
 
 
 class NcclAllReduce(CrossDeviceOps):
@@ -260,7 +255,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             parts = [jax.device_put(c, target) for c in unstack(stacked)]
             total = self.accumulation_fn(parts)
             if reduce_op is ReduceOp.MEAN:
-                total = _divide(total, n, true_mean)
+                total = mean_of(total, n, not true_mean)
             out.append(jax.device_put(total, placement.replicated))
         return out
 

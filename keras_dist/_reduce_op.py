@@ -2,6 +2,8 @@
 
 import enum
 
+import jax.numpy as jnp
+
 
 class ReduceOp(enum.Enum):
     """Indicates how a set of values from the replicas should be reduced.
@@ -50,3 +52,18 @@ class ReduceOp(enum.Enum):
 
     def __str__(self) -> str:
         return f"ReduceOp.{self.name}"
+
+
+def mean_of(total, count, integer_division=False):
+    """``total / count``: the ``MEAN`` every reduction path divides its sum by.
+
+    TF's ``MirroredStrategy`` divides a sum of integers into a float (1 and 2 give
+    1.5); its collectives across workers, and a variable's own reads, divide them as
+    integers (``integer_division``).
+
+    >>> float(mean_of(jnp.int32(3), 2)), int(mean_of(jnp.int32(3), 2, integer_division=True))
+    (1.5, 1)
+    """
+    if integer_division and jnp.issubdtype(jnp.result_type(total), jnp.integer):
+        return total // count
+    return total / count

@@ -31,6 +31,7 @@ from keras_dist._engine._eager import select_replica_part
 from keras_dist._engine_contract import ReplicaCopies
 from keras_dist._keras import RecordingScope
 from keras_dist._reduce_op import ReduceOp
+from keras_dist._reduce_op import mean_of
 from keras_dist._replica_context import ReplicaContext
 from keras_dist._values import DistributedValues
 from keras_dist._values import Mirrored
@@ -131,8 +132,7 @@ class CrossReplica(ReplicaCopies):
             total = _sum(value.values, "reduce")
             if reduce_op is ReduceOp.MEAN:
                 # As the compiled engine: a float on one host, as TF's MirroredStrategy.
-                true_mean = not self._extended.spans_processes
-                total = _divide(total, self.num_replicas, true_mean)
+                total = mean_of(total, self.num_replicas, self._extended.spans_processes)
             results.append(self.wrap((total,) * self.num_replicas, Mirrored))
         return results
 
@@ -162,7 +162,7 @@ class CrossReplica(ReplicaCopies):
             return components[0]
         total = _sum(components, "read")
         if variable.aggregation == "mean":
-            return _divide(total, self.num_replicas)
+            return mean_of(total, self.num_replicas, integer_division=True)
         return total
 
     def update_component(self, variable, fn, args, kwargs):
@@ -199,9 +199,3 @@ def _sum(components, what):
     for component in components[1:]:
         total = total + component
     return total
-
-
-def _divide(total, n, true_mean=False):
-    if jnp.issubdtype(total.dtype, jnp.integer) and not true_mean:
-        return total // n  # as the compiled engine's all-reduce of integers
-    return total / n

@@ -11,6 +11,7 @@ import numpy as np
 
 from keras_dist._devices import resolve_device
 from keras_dist._reduce_op import ReduceOp
+from keras_dist._reduce_op import mean_of
 from keras_dist._values import DistributedValues
 from keras_dist._values import regroup
 from keras_dist._values._variables import DistributedVariable
@@ -67,9 +68,7 @@ def mean_from_sum(reduce_op, total, count, integer_division=False):
     """``total`` for SUM, ``total / count`` for MEAN (floor division if asked, for integers)."""
     if reduce_op is ReduceOp.SUM:
         return total
-    if integer_division and jnp.issubdtype(total.dtype, jnp.integer):
-        return total // count
-    return total / count
+    return mean_of(total, count, integer_division)
 
 
 def reduce_stacked_in_program(reduce_op, value, axis):
