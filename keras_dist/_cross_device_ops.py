@@ -29,6 +29,8 @@ from keras_dist._devices import resolve_device
 from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._reduce_op import mean_of
+from keras_dist._values import DistributedValues
+from keras_dist._values import Mirrored
 from keras_dist._values import unstack
 
 
@@ -95,12 +97,25 @@ class CrossDeviceOps:
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
         """Reduces several values at once: one fused reduction for all of them."""
+        if not _context.has_strategy():
+            # Outside any strategy's scope, as TF's ops allow: the components are
+            # added on the destination's device.
+            reduce_op = ReduceOp.from_value(reduce_op)
+            return [
+                _reduce_unscoped(self._add_components, reduce_op, value, destinations)
+                for value, destinations in value_destination_pairs
+            ]
         strategy = _context.get_strategy()
         return strategy.extended.batch_reduce_to(reduce_op, value_destination_pairs, options)
 
     def broadcast(self, tensor, destinations):
         """Copies ``tensor`` to every destination device, as a ``Mirrored`` value."""
+        if not _context.has_strategy():
+            return _place_unscoped(jnp.asarray(tensor), destinations)
         return _context.get_strategy().extended.broadcast_to(tensor, destinations)
+
+    def _add_components(self, components):
+        return _add_n(components)
 
     def reduce_in_replica(
         self, reduce_op: ReduceOp, leaves: list, num_replicas: int, *, true_mean=False
@@ -220,6 +235,46 @@ def _add_n(values):
     return functools.reduce(lambda a, b: a + b, values)
 
 
+def _destination_devices(destinations) -> list:
+    """The devices ``destinations`` names: a device or its name, a list of them, or a
+    distributed value (its components' devices)."""
+    if isinstance(destinations, (str, jax.Device)):
+        return [resolve_device(destinations, "destinations")]
+    if isinstance(destinations, DistributedValues):
+        return [_device_of(c) for c in destinations.values]
+    if isinstance(destinations, (list, tuple)) and destinations:
+        return [resolve_device(d, "destinations") for d in destinations]
+    raise ValueError(
+        "Outside a strategy's scope, `destinations` must name the devices to reduce or "
+        "broadcast to: a device string such as '/cpu:0', a list of them, or a distributed "
+        f"value. Received: destinations={destinations!r}"
+    )
+
+
+def _device_of(component) -> jax.Device:
+    devices = jnp.asarray(component).devices()
+    return next(iter(devices)) if len(devices) == 1 else jax.devices()[0]
+
+
+def _place_unscoped(value, destinations):
+    """``value`` on ``destinations``: an array on one device, or a ``Mirrored`` of copies."""
+    devices = _destination_devices(destinations)
+    copies = tuple(jax.device_put(value, device) for device in devices)
+    if len(copies) == 1 and not isinstance(destinations, (list, tuple, DistributedValues)):
+        return copies[0]
+    return Mirrored(copies)
+
+
+def _reduce_unscoped(add, reduce_op, value, destinations):
+    """``CrossDeviceOps.reduce`` outside any strategy: TF's ops work on their own."""
+    components = value.values if isinstance(value, DistributedValues) else (value,)
+    target = _destination_devices(destinations)[0]
+    total = add([jax.device_put(jnp.asarray(c), target) for c in components])
+    if reduce_op is ReduceOp.MEAN:
+        total = mean_of(total, len(components))
+    return _place_unscoped(total, destinations)
+
+
 class ReductionToOneDevice(CrossDeviceOps):
     """Brings every component to one device, adds them, and broadcasts the sum.
 
@@ -238,6 +293,9 @@ class ReductionToOneDevice(CrossDeviceOps):
         super().__init__()
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn or _add_n
+
+    def _add_components(self, components):
+        return self.accumulation_fn(components)
 
     def _reduce_buffer(self, buffer, num_replicas):
         gathered = lax.all_gather(buffer, AXIS, axis=0)

@@ -49,6 +49,27 @@ class DistributedVariable(keras.Variable):
         """The strategy whose scope created this variable."""
         return self._distribute_strategy
 
+    @property
+    def values(self) -> tuple:
+        """This process's replicas' values, one array each (TF's per-replica components).
+
+        TF gives one variable per replica; here each is the array that replica reads
+        (a mirrored variable's copies, a SyncOnRead variable's components).
+
+        >>> import keras, keras_dist as kd
+        >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        >>> with strategy.scope():
+        ...     v = keras.Variable(1.0)
+        >>> [float(x) for x in v.values]
+        [1.0, 1.0]
+        """
+        return tuple(self._distribute_strategy.experimental_local_results(self))
+
+    @property
+    def device(self) -> str:
+        """The first of this process's replicas' devices, as TF names it (its primary)."""
+        return self._distribute_strategy.extended.worker_devices[0]
+
     def attach_to(self, strategy) -> None:
         """Records the strategy that created this variable (its policy calls this)."""
         self._distribute_strategy = strategy

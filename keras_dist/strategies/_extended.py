@@ -32,11 +32,13 @@ import threading
 from typing import Any
 
 import jax
+import keras
 from jax.experimental import multihost_utils
 
 from keras_dist import _context
 from keras_dist._context import running_replica_context
 from keras_dist._reduce_op import ReduceOp
+from keras_dist._values._distributed_values import DistributedValues
 from keras_dist._values._variables import DistributedVariable
 from keras_dist.cluster_resolver._role import ProcessRole
 from keras_dist.cluster_resolver._role import role_from_resolver
@@ -101,6 +103,47 @@ class TensorFlowSurface:
         this changes nothing here; it exists for code written for TF.
         """
         return contextlib.nullcontext()
+
+    def non_slot_devices(self, var_list) -> tuple:
+        """The devices that hold state not tied to one variable (TF's v1 optimizers' counters).
+
+        Every replica's device: such state is mirrored as the variables are.
+        """
+        return self.worker_devices
+
+    def read_var(self, v):
+        """``v``'s value read in the cross-replica context (a SyncOnRead variable's aggregate).
+
+        >>> import keras, keras_dist as kd
+        >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        >>> with strategy.scope():
+        ...     total = keras.Variable(0.0, synchronization="on_read", aggregation="sum")
+        >>> _ = strategy.extended.update(total, lambda var, x: var.assign(x), args=(2.0,))
+        >>> float(strategy.extended.read_var(total))
+        4.0
+        """
+        require_cross_replica("read_var")
+        if not isinstance(v, keras.Variable):
+            raise TypeError(
+                "`read_var` reads a variable (created in the strategy's scope). Received: "
+                f"{v!r} of type {type(v).__name__}"
+            )
+        return v.value
+
+    def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+        """Runs ``fn(*args, **kwargs)`` once, in the cross-replica context, for state that
+        is not one variable's slot; ``colocate_with`` is ``non_slot_devices``'s answer.
+
+        TF runs ``fn`` on each of those devices, where each writes its own copy;
+        here one call writes every replica's copy of a variable, as ``update`` does.
+        """
+        require_cross_replica("update_non_slot")
+        args, kwargs = jax.tree_util.tree_map(
+            self.unwrap_mirrored,
+            (tuple(args), dict(kwargs or {})),
+            is_leaf=lambda x: isinstance(x, DistributedValues),
+        )
+        return fn(*args, **kwargs)
 
     def value_container(self, value) -> Any:
         """The distributed variable ``value`` belongs to, or ``value`` itself."""

@@ -310,12 +310,9 @@ class MeshExtended(StrategyExtended, MeshRuntime):
     def _update(self, var, fn, args, kwargs, group):
         frame = _context.current_frame()
         strategy = self._container_strategy()
-        per_replica = [
-            a
-            for a in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_dv)
-            if isinstance(a, PerReplica)
-        ]
-        if per_replica and isinstance(var, SyncOnReadVariable):
+        if isinstance(var, SyncOnReadVariable):
+            # As TF: ``fn`` runs on each replica's component (a plain value is given
+            # whole to each, so a SUM variable's read becomes the replicas' total).
             if isinstance(frame.engine, TracedMerge):
                 return frame.engine.update_component(var, fn, args, kwargs)
             return self._eager.update_components(var, fn, args, kwargs)

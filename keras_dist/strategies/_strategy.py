@@ -195,6 +195,14 @@ class Strategy(DistributionStrategy):
         """
         require_cross_replica("gather")
         value = _without_tensorflow_values(value)
+        if _is_nest(value) and _is_nest_of_distributed(value):
+            # ``run``'s results as they come (a tuple or dict of per-replica values):
+            # TF gathers each element.
+            return jax.tree_util.tree_map(
+                lambda v: self.gather(v, axis),
+                value,
+                is_leaf=lambda v: isinstance(v, DistributedValues),
+            )
         axis = _checked_axis("gather", value, axis)
         _check_alike_but_along("gather", value, axis)
         return self._extended.gather_value(value, axis)

@@ -285,3 +285,27 @@ def test_reduce_in_merge_call(ops, n, engine):
     for first, second in strategy.experimental_local_results(strategy.run(step)):
         assert float(first) == expected
         assert float(second) == expected
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ops_reduce_and_broadcast_outside_any_strategy_as_tf(ops, n):
+    # TF's ops work on their own: on a PerReplica's components, onto the devices named.
+    devices = cpus(n)
+    per_replica, _, mean, _, _ = _cases(devices)
+    assert not kd.has_strategy()
+    on_one = ops.reduce("SUM", per_replica, destinations="/cpu:1")
+    assert not isinstance(on_one, kd.DistributedValues)
+    assert _device_of(on_one) == resolve_device("/cpu:1")
+    assert float(on_one) == mean * n
+    _assert_mirrored(ops.reduce("MEAN", per_replica, destinations=per_replica), mean, devices)
+    summed, averaged = ops.batch_reduce(
+        "SUM", [(per_replica, "/cpu:0"), (per_replica, list(devices))]
+    )
+    assert float(summed) == mean * n
+    _assert_mirrored(averaged, mean * n, devices)
+    _assert_mirrored(ops.broadcast(jnp.float32(2.0), list(devices)), 2.0, devices)
+    # TF's MEAN of integers is a float here too (1 and 2 give 1.5).
+    ints = kd.PerReplica((jnp.int32(1), jnp.int32(2)))
+    assert float(ops.reduce("MEAN", ints, destinations="/cpu:0")) == 1.5
+    with pytest.raises(ValueError, match="must name the devices.*Received: destinations=None"):
+        ops.reduce("SUM", per_replica, destinations=None)

@@ -300,6 +300,26 @@ def test_gather_keeps_replica_order(engine, n):
     )
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_gather_of_a_nest_gathers_each_element(engine, n):
+    # As `reduce` of a nest and TF's `all_gather`: run's dict of per-replica values,
+    # each gathered. (TF 2.21's `strategy.gather` of a nest gives replica 0's values.)
+    strategy = kd.MirroredStrategy(cpus(n))
+
+    def step():
+        rid = _replica_id()
+        return {"a": jnp.full((1, 2), rid), "b": (jnp.zeros((2,)) + rid,)}
+
+    @kd.function
+    def gathered_in_function():
+        return strategy.gather(strategy.run(step), axis=0)
+
+    expected_a = np.repeat(np.arange(n, dtype="float32"), 2).reshape(n, 2)
+    for gathered in (strategy.gather(strategy.run(step), axis=0), gathered_in_function()):
+        np.testing.assert_array_equal(gathered["a"], expected_a)
+        np.testing.assert_array_equal(gathered["b"][0], expected_a.ravel())
+
+
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_gather_of_a_plain_value_gives_it_back_as_tf(engine, n):
     # TF 2.21 MirroredStrategy(2): gather(constant([[1., 2.]]), axis=0 or 1) is

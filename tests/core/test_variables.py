@@ -440,6 +440,52 @@ def test_sync_on_read_sum_assign(n):
 
 
 @pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("aggregation", ["sum", "mean"])
+def test_extended_update_of_sync_on_read_with_a_plain_value_runs_on_each_component(
+    n, aggregation
+):
+    # TF 2.21, MirroredStrategy(2), SUM: extended.update(v, assign, args=(5.,)) gives
+    # components [5, 5] and a read of 10 (fn runs on each component variable).
+    strategy = _strategy(n)
+    v = _on_read(strategy, 0.0, aggregation)
+    strategy.extended.update(v, lambda var, x: var.assign(x), args=(5.0,))
+    assert _components(v) == [5.0] * n
+    assert float(strategy.extended.read_var(v)) == (5.0 * n if aggregation == "sum" else 5.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_a_distributed_variables_values_device_and_tf_non_slot_api(n):
+    # TF: v.values holds one value per replica, v.device is the primary's; the v1
+    # optimizers' non-slot API (non_slot_devices, update_non_slot, read_var).
+    strategy = _strategy(n)
+    mirrored = _on_write(strategy, 1.0, "mean")
+    on_read = _on_read(strategy, 0.0, "sum")
+    _set_components(strategy, on_read, [float(i) for i in range(n)])
+    assert [float(x) for x in mirrored.values] == [1.0] * n
+    assert [float(x) for x in on_read.values] == [float(i) for i in range(n)]
+    assert mirrored.device == on_read.device == strategy.extended.worker_devices[0]
+    extended = strategy.extended
+    assert extended.non_slot_devices([mirrored]) == extended.worker_devices
+    assert len(extended.worker_devices) == n
+    assert float(extended.read_var(on_read)) == sum(range(n))
+    assert float(extended.read_var(mirrored)) == 1.0
+    counter = _on_write(strategy, 0.0, "only_first_replica")
+    result = extended.update_non_slot(
+        extended.non_slot_devices([counter]), lambda: counter.assign_add(3.0)
+    )
+    assert float(jnp.asarray(result)) == 3.0
+    assert _components(counter) == [3.0] * n  # one update, every replica's copy
+    with pytest.raises(TypeError, match="reads a variable"):
+        extended.read_var(1.0)
+
+    def in_replica():
+        extended.read_var(mirrored)
+
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        strategy.run(in_replica)
+
+
+@pytest.mark.parametrize("n", [2, 4])
 def test_sync_on_read_mean_assign(n):
     strategy = _strategy(n)
     v = _on_read(strategy, 1.0, "mean")
