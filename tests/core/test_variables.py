@@ -441,9 +441,7 @@ def test_sync_on_read_sum_assign(n):
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("aggregation", ["sum", "mean"])
-def test_extended_update_of_sync_on_read_with_a_plain_value_runs_on_each_component(
-    n, aggregation
-):
+def test_extended_update_of_sync_on_read_with_a_plain_value_runs_on_each_component(n, aggregation):
     # TF 2.21, MirroredStrategy(2), SUM: extended.update(v, assign, args=(5.,)) gives
     # components [5, 5] and a read of 10 (fn runs on each component variable).
     strategy = _strategy(n)
