@@ -63,6 +63,7 @@ from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._engine._state_layout import StateLayout
 from keras_dist._input import DistributedIterator
 from keras_dist._input import EndOfInput
+from keras_dist._jax_trace import current_trace
 from keras_dist._keras import initialize_pending_variables
 from keras_dist._keras import pending_variables
 from keras_dist._values import DistributedValues
@@ -412,6 +413,7 @@ class Function:
             args, kwargs = jax.tree_util.tree_unflatten(treedef, rebuilt)
             scope = FunctionScope(mapping, trace, state)
             trace.scope = scope
+            trace.jax_trace = current_trace()
             with _context.function_trace(trace), scope:
                 outputs = self.python_function(*args, **kwargs)
                 check_reads((args, kwargs))  # (iterator arguments: as many read as taken)

@@ -33,6 +33,7 @@ class FunctionTrace:
         self.needed: dict = {}  # id -> variable met but not threaded
         self.extendeds: list = []
         self.scope = None  # the trace's ``FunctionScope``, set when the body runs
+        self.jax_trace = None  # the JAX trace the body runs in, set then too
         self.created_variables = False
 
     def need(self, variables) -> None:

@@ -16,8 +16,10 @@ import jax
 import numpy as np
 
 from keras_dist._context import InputReadInTrace
+from keras_dist._context import current_function_trace
 from keras_dist._engine._function_key import static_key
 from keras_dist._input import DistributedIterator
+from keras_dist._jax_trace import refuse_foreign_trace
 from keras_dist._keras import KerasVariable
 from keras_dist._values import DistributedValues
 
@@ -102,6 +104,9 @@ class _NextElements:
         return self
 
     def __next__(self):
+        trace = current_function_trace()
+        if trace is not None and trace.jax_trace is not None:
+            refuse_foreign_trace("`next(iterator)`", trace.jax_trace)
         if not self._elements:
             raise InputReadInTrace()  # (a stand-in needs one element read)
         if self.taken >= MAX_READS:

@@ -16,6 +16,7 @@ import numpy as np
 
 from keras_dist import errors
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._context import current_function_trace
 from keras_dist._context import refuse_input_read_in_trace
 from keras_dist._context import running_replica_context
 from keras_dist._input._options import InputContext
@@ -27,6 +28,9 @@ from keras_dist._input._split import GlobalBatchSplitter
 from keras_dist._input._split import RebatchedForEveryWorker
 from keras_dist._input._split import per_replica_batches
 from keras_dist._input._static_shapes import statically_shaped
+from keras_dist._jax_trace import refuse_foreign_trace
+from keras_dist._keras import DataAdapter
+from keras_dist._values import DistributedValues
 from keras_dist._values import PerReplica
 from keras_dist.data import AutoShardPolicy
 from keras_dist.data._sharding import policy_of
@@ -80,6 +84,8 @@ class DistributedIterator:
                 "strategy.run(replica_fn, args=(next(iterator),)). Received: a call "
                 f"inside `run` of {type(replica_context.strategy).__name__}."
             )
+        if current_function_trace() is None:
+            refuse_foreign_trace("`next(iterator)`")
         refuse_input_read_in_trace()
         if self._put_back:
             return self._put_back.pop()
@@ -155,9 +161,37 @@ class DistributedDataset:
     [[0.0, 1.0], [2.0, 3.0]]
     """
 
-    def __init__(self, make_next_fn):
+    def __init__(self, make_next_fn, global_batches=None):
         self._make_next_fn = make_next_fn
         self._element_spec = None
+        # What Keras's loops read instead (see ``global_batches``); None: they cannot.
+        self._global_batches = global_batches
+
+    def global_batches(self):
+        """The global batches this dataset splits, for ``fit``, ``evaluate`` and ``predict``.
+
+        TF's Keras takes a distributed dataset there; its loops split the global
+        batches themselves. A dataset made from one is that dataset; one made by
+        ``distribute_datasets_from_function`` gives each element's per-replica
+        batches joined, in replica order.
+
+        >>> import numpy as np, keras_dist as kd
+        >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        >>> dataset = strategy.distribute_datasets_from_function(
+        ...     lambda context: [np.arange(2.0) + 10 * context.input_pipeline_id])
+        >>> [batch.tolist() for batch in dataset.global_batches()]
+        [[0.0, 1.0, 0.0, 1.0]]
+        """
+        if self._global_batches is None:
+            raise ValueError(
+                "`fit`, `evaluate` and `predict` of a multi-worker strategy read global "
+                "batches that every worker splits; a dataset of "
+                "`distribute_datasets_from_function` gives each worker its own. Pass "
+                "`kd.experimental.DatasetCreator(dataset_fn)` instead (each worker reads its "
+                "pipeline, TF's way), or the dataset of global batches itself. Received: "
+                f"{self!r}"
+            )
+        return self._global_batches
 
     @classmethod
     def from_global_batches(cls, strategy, dataset, options=None):
@@ -175,10 +209,19 @@ class DistributedDataset:
         if not isinstance(
             extended, MeshRuntime
         ):  # no mesh: batches go to the one replica as they are
-            return cls(lambda: _passes(dataset).__next__)
+            return cls(lambda: _passes(dataset).__next__, dataset)
+        if extended.spans_processes and policy_of(dataset) is AutoShardPolicy.FILE:
+            raise ValueError(
+                "AutoShardPolicy.FILE gives each worker its own files, in the pipelines of "
+                "`distribute_datasets_from_function`: build the dataset in a "
+                "`dataset_fn(input_context)` and apply the policy there with "
+                "`kd.data.auto_shard(dataset, input_context)`, then batch it. "
+                "`experimental_distribute_dataset` splits the same global batches on every "
+                "worker (DATA or OFF). Received: a dataset with AutoShardPolicy.FILE"
+            )
         if extended.spans_processes and _policy_is_off(dataset):
             rebatched = RebatchedForEveryWorker(extended, dataset)
-            return cls(lambda: _ahead(rebatched(), options))
+            return cls(lambda: _ahead(rebatched(), options), dataset)
         splitter = GlobalBatchSplitter(extended, strided=True)
         whole = _whole_for_one_replica(strategy)
         split = lambda batch: whole(splitter(batch))  # noqa: E731
@@ -189,7 +232,7 @@ class DistributedDataset:
             iterator = _passes(dataset)
             return _ahead(lambda: split(next(iterator)), options)
 
-        return cls(make_next_fn)
+        return cls(make_next_fn, dataset)
 
     @classmethod
     def from_function(cls, strategy, dataset_fn, options=None):
@@ -201,7 +244,7 @@ class DistributedDataset:
         if not isinstance(extended, MeshRuntime):
             dataset = dataset_fn(InputContext(1, 0, n))
             _check_iterable(dataset)
-            return cls(lambda: _passes(dataset).__next__)
+            return cls(lambda: _passes(dataset).__next__, dataset)
         first = extended.first_local_replica_id
         local = range(first, first + extended.num_local_replicas)
         if per_replica:
@@ -241,7 +284,10 @@ class DistributedDataset:
 
             return _ahead(next_fn, options)
 
-        return cls(make_next_fn)
+        distributed = cls(make_next_fn)
+        if not extended.spans_processes:
+            distributed._global_batches = _JoinedReplicas(distributed)
+        return distributed
 
     def __iter__(self) -> DistributedIterator:
         refuse_input_read_in_trace()
@@ -259,6 +305,35 @@ class DistributedDataset:
                 return None
             self._element_spec = _spec_of(first)
         return self._element_spec
+
+
+class _JoinedReplicas(DataAdapter):
+    """Each element of a distributed dataset as one global batch: its replicas' batches
+    joined on the host, in replica order (re-iterable; a Keras data adapter)."""
+
+    def __init__(self, distributed):
+        self._distributed = distributed
+
+    def __iter__(self):
+        for element in self._distributed:
+            yield jax.tree_util.tree_map(
+                _joined, element, is_leaf=lambda v: isinstance(v, DistributedValues)
+            )
+
+    def get_numpy_iterator(self):
+        return iter(self)
+
+    def get_jax_iterator(self):
+        return iter(self)
+
+    # Not known ahead, as for Keras's own adapters of generators.
+    num_batches = batch_size = has_partial_batch = partial_batch_size = None
+
+
+def _joined(value):
+    if not isinstance(value, DistributedValues):
+        return np.asarray(value)
+    return np.concatenate([np.asarray(component) for component in value.values])
 
 
 def _ahead(next_fn, options):

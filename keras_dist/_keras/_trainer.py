@@ -48,9 +48,10 @@ class TrainingIntegration(Protocol):
     def make_steps(self, model, strategy):
         """An object with ``train_function``, ``test_function``, ``predict_function``."""
 
-    def loop_input(self, data, strategy, shuffle: bool = False):
+    def loop_input(self, data, strategy, shuffle: bool = False, steps_given: bool = False):
         """A loop's input (``x``, ``validation_data``) with its auto-shard policy applied
-        (``kd.data.with_auto_shard_policy``; ``strategy`` is ``None`` without one)."""
+        (``kd.data.with_auto_shard_policy``; ``strategy`` is ``None`` without one);
+        ``steps_given``: the loop has its steps (``steps_per_epoch``) for it."""
 
     def host_batches(self, batches, read_ahead: bool, in_memory: bool, layout: tuple):
         """Keras's host batches as ``fit`` iterates them: ``read_ahead`` where reading
@@ -201,7 +202,10 @@ def _apply_auto_shard_policies(arguments, strategy, training, loop) -> None:
     shuffle = {"x": arguments.get("shuffle", loop == "fit"), "validation_data": False}
     for name in ("x", "validation_data"):
         if arguments.get(name) is not None:
-            arguments[name] = training.loop_input(arguments[name], strategy, shuffle[name])
+            steps_given = any(arguments.get(s) is not None for s in _STEPS_FOR[name])
+            arguments[name] = training.loop_input(
+                arguments[name], strategy, shuffle[name], steps_given
+            )
 
 
 # Which argument gives the number of steps for an input, per loop argument.

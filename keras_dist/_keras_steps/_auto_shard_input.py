@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._input import DistributedDataset
 from keras_dist._input import NumpyDataset
 from keras_dist._input import batch_rows
 from keras_dist._input._host_arrays import to_host_arrays
@@ -23,28 +24,31 @@ from keras_dist.data._sharding import policy_of
 from keras_dist.data._sharding import without_policy
 
 
-def loop_input(data, strategy, shuffle=False):
+def loop_input(data, strategy, shuffle=False, steps_given=False):
     """``data`` as Keras's loops should read it, its auto-shard policy applied.
 
     ``shuffle`` is the loop's: Keras's adapter of the data shuffles it (a
     ``PyDataset``'s batch order) when it would without a policy. A batched
     ``NumpyDataset`` (``strategy.experimental_make_numpy_dataset``, the
     counterpart of ``tf.data``'s ``from_tensor_slices(...).batch(n)``) is read
-    batch by batch, in order, as ``fit`` reads a ``tf.data`` dataset.
+    batch by batch, in order, as ``fit`` reads a ``tf.data`` dataset. A
+    ``DistributedDataset`` (TF's Keras takes one) is read as the global batches
+    it splits. ``steps_given``: the loop was told its steps (``steps_per_epoch``).
     """
     extended = None if strategy is None else strategy.extended
-    if isinstance(data, NumpyDataset):
-        return NumpyDatasetAdapter(data)
+    if isinstance(data, DistributedDataset):
+        data = data.global_batches()
     policy = policy_of(data)
-    if policy is None:
-        return data
     data = without_policy(data)
+    if isinstance(data, NumpyDataset):
+        data = NumpyDatasetAdapter(data)
     if policy is AutoShardPolicy.OFF and isinstance(extended, MeshRuntime):
         if extended.spans_processes:
+            adapter = data
+            if not isinstance(adapter, DataAdapter):
+                adapter = get_data_adapter(data, shuffle=shuffle)
             return EveryWorkerReadsAll(
-                get_data_adapter(data, shuffle=shuffle),
-                extended.num_workers,
-                extended.num_local_replicas,
+                adapter, extended.num_workers, extended.num_local_replicas, steps_given
             )
     return data
 
@@ -82,7 +86,9 @@ class EveryWorkerReadsAll(_HostBatches):
     pieces are the same: the next ``local_replicas`` pieces of the data, in
     replica order, read through ``adapter`` (Keras's adapter of the data). The
     number of steps is not known ahead (it changes with the piece size): give
-    ``steps_per_epoch``.
+    ``steps_per_epoch``. With it (``endless``), the pieces go on from the data's
+    start when it ends, as Keras goes on with a ``PyDataset`` longer than an epoch
+    and as TF's tutorials repeat their datasets: no epoch finds the data used up.
 
     >>> adapter = EveryWorkerReadsAll(
     ...     get_data_adapter((np.arange(8),) for _ in range(1)), num_workers=2, local_replicas=1)
@@ -90,12 +96,21 @@ class EveryWorkerReadsAll(_HostBatches):
     [[0, 1, 2, 3, 0, 1, 2, 3], [4, 5, 6, 7, 4, 5, 6, 7]]
     """
 
-    def __init__(self, adapter, num_workers, local_replicas):
+    def __init__(self, adapter, num_workers, local_replicas, endless=False):
         self._adapter = adapter
         self._num_workers = num_workers
         self._local_replicas = local_replicas
+        self._endless = endless
 
     def get_numpy_iterator(self):
+        while True:
+            steps = 0
+            for steps, batch in enumerate(self._one_pass(), 1):  # noqa: B007
+                yield batch
+            if not (self._endless and steps):
+                return
+
+    def _one_pass(self):
         replicas = self._num_workers * self._local_replicas
         piece_rows = None
         pending = []

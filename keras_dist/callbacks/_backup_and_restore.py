@@ -15,6 +15,7 @@ trained on. Callbacks still see their batch numbers, with the logs of the
 backup, so step-counting callbacks stay in step with an uninterrupted run.
 """
 
+import contextlib
 import os
 
 import jax
@@ -276,6 +277,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 _training_state.delete(self._chief_dir)
             _extended_of(model).barrier("keras_dist.BackupAndRestore.deleted")
         self._process_role.remove_temp_dirpath(self.backup_dir)
+        if self.delete_checkpoint:
+            # As Keras, no backup directory is left behind; each process tries, after
+            # its own copy is gone, and the last one finds it empty.
+            with contextlib.suppress(OSError):
+                os.rmdir(self.backup_dir)
         if self._watcher is not None:
             watcher, self._watcher = self._watcher, None
             watcher.finish()

@@ -25,6 +25,7 @@ from keras_dist._engine import LogicalDevicesEngine
 from keras_dist._engine import UnevenEngine
 from keras_dist._engine import run_inline
 from keras_dist._engine_contract import TracedMerge
+from keras_dist._jax_trace import refuse_foreign_trace
 from keras_dist._keras import StrategyDistribution
 from keras_dist._mesh import replica_mesh
 from keras_dist._reduce_op import ReduceOp
@@ -183,8 +184,11 @@ class MeshExtended(StrategyExtended, MeshRuntime):
             return frame.engine.call_for_each_replica(fn, args, kwargs)
         function_trace = _context.current_function_trace()
         if function_trace is not None:
+            if function_trace.jax_trace is not None:
+                refuse_foreign_trace("`strategy.run`", function_trace.jax_trace)
             # Inside a kd.function: the replicas join the function's program.
             return run_inline(self._compiled, self, fn, args, kwargs, function_trace)
+        refuse_foreign_trace("`strategy.run`")
         outer = _context.other_strategy_in_scope(strategy)
         if outer is not None:
             raise RuntimeError(

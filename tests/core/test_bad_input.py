@@ -191,3 +191,77 @@ def test_numpy_dataset_rejects_a_batch_size_that_is_not_an_integer(batch_size):
         dataset.batch(batch_size)
     assert str(info.value).endswith(f"Received: batch_size={batch_size!r}")
     assert [b.tolist() for b in dataset.batch(np.int64(3))] == [[0, 1, 2], [3]]
+
+
+# ------------------------------------------- steps inside a JAX loop's body
+_IN_A_LOOP = r"inside a JAX transformation.*Python `for` loop inside a `@kd.function`"
+
+
+def _counter_and_step(strategy):
+    with strategy.scope():
+        counter = keras.Variable(0.0, aggregation="mean")
+
+    def step():
+        counter.assign_add(1.0)
+        return counter.value * 1.0
+
+    return counter, step
+
+
+def test_a_step_in_a_jax_loop_body_raises_rather_than_losing_its_updates(engine):
+    # The body is traced once: TF's tf.range loop gave 6.0 and a counter of 3, this
+    # gave 3.0 and 1 (or crashed deep in JAX inside a kd.function).
+    strategy = kd.MirroredStrategy(cpus(2))
+    counter, step = _counter_and_step(strategy)
+
+    def body(i, total):
+        return total + strategy.reduce("MEAN", strategy.run(step), axis=None)
+
+    @kd.function
+    def loop_in_function():
+        return keras.ops.fori_loop(0, 3, body, 0.0)
+
+    @kd.function
+    def python_loop():
+        total = 0.0
+        for _ in range(3):
+            total = body(None, total)
+        return total
+
+    for looped in (lambda: keras.ops.fori_loop(0, 3, body, 0.0), loop_in_function):
+        with pytest.raises(RuntimeError, match=_IN_A_LOOP):
+            looped()
+        assert float(counter.value) == 0.0  # nothing half-applied
+    with pytest.raises(RuntimeError, match=_IN_A_LOOP):
+        jax.jit(lambda: strategy.run(step))()
+    # The fix the message names: TF's numbers.
+    assert float(python_loop()) == 6.0
+    assert float(counter.value) == 3.0
+
+
+def test_next_in_a_jax_loop_body_raises_rather_than_repeating_a_batch(engine):
+    # TF: 1 + 2 + 3 (three batches); the loop's one trace gave batch 1 three times.
+    strategy = kd.MirroredStrategy(cpus(2))
+    batches = [np.full((2,), i, "float32") for i in range(1, 5)]
+    iterator = iter(strategy.experimental_distribute_dataset(batches))
+
+    def body(i, total):
+        element = next(iterator)
+        return total + strategy.reduce("SUM", strategy.run(jnp.sum, args=(element,)), axis=None)
+
+    @kd.function
+    def loop(iterator):
+        def read_in_body(i, total):
+            element = next(iterator)
+            summed = strategy.run(jnp.sum, args=(element,))
+            return total + strategy.reduce("SUM", summed, axis=None)
+
+        return keras.ops.fori_loop(0, 3, read_in_body, 0.0)
+
+    with pytest.raises(RuntimeError, match=_IN_A_LOOP):
+        loop(iterator)
+    with pytest.raises(RuntimeError, match=_IN_A_LOOP):
+        keras.ops.fori_loop(0, 3, body, 0.0)
+    # No batch was lost to the refused calls.
+    first = strategy.experimental_local_results(next(iterator))
+    assert [float(x[0]) for x in first] == [1.0, 1.0]

@@ -668,3 +668,41 @@ def test_a_batch_size_the_replicas_cannot_share_evenly_warns_once():
     assert caught[32] == []
     (warning,) = caught[30]
     assert "30 rows" in str(warning.message) and "multiple of 4 (28 or 32)" in str(warning.message)
+
+
+def test_fit_evaluate_and_predict_take_a_distributed_dataset_as_tf():
+    # TF's Keras takes the datasets of experimental_distribute_dataset and
+    # distribute_datasets_from_function (Keras refused them: "Unrecognized data type").
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 3)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    strategy = kd.MirroredStrategy(cpus(2))
+    batches = strategy.experimental_make_numpy_dataset((x, y)).batch(8)
+
+    def per_replica_batches(context):  # replica i's half of each global batch of 8
+        size = context.get_per_replica_batch_size(8)
+        return [(x[s : s + size], y[s : s + size]) for s in range(0, 40, size)]
+
+    distributed = {
+        "from a dataset": strategy.experimental_distribute_dataset(batches),
+        "from a function": strategy.distribute_datasets_from_function(per_replica_batches),
+    }
+    results = {}
+    for name, data in {"plain": batches, **distributed}.items():
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse", metrics=["mae"])
+        validation = distributed["from a dataset"] if name != "plain" else batches
+        history = model.fit(data, validation_data=validation, epochs=2, verbose=0).history
+        results[name] = (history, model.evaluate(data, verbose=0), model.predict(data, verbose=0))
+    expected_history, expected_scores, expected_predictions = results["plain"]
+    assert len(expected_history["loss"]) == 2 and expected_predictions.shape == (40, 1)
+    for name in distributed:
+        history, scores, predictions = results[name]
+        # The same global batches, each split and joined again: the same numbers up to
+        # the rounding of a sum over two replicas.
+        for key in ("loss", "mae", "val_loss", "val_mae"):
+            np.testing.assert_allclose(history[key], expected_history[key], rtol=1e-5)
+        np.testing.assert_allclose(scores, expected_scores, rtol=1e-5)
+        np.testing.assert_allclose(predictions, expected_predictions, rtol=1e-5, atol=1e-6)
