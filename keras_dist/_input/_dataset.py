@@ -161,11 +161,11 @@ class DistributedDataset:
     [[0.0, 1.0], [2.0, 3.0]]
     """
 
-    def __init__(self, make_next_fn, global_batches=None):
+    def __init__(self, make_next_fn, global_batches=None, join_replicas=False):
         self._make_next_fn = make_next_fn
         self._element_spec = None
         # What Keras's loops read instead (see ``global_batches``); None: they cannot.
-        self._global_batches = global_batches
+        self._global_batches = _JoinedReplicas(self) if join_replicas else global_batches
 
     def global_batches(self):
         """The global batches this dataset splits, for ``fit``, ``evaluate`` and ``predict``.
@@ -178,9 +178,9 @@ class DistributedDataset:
         >>> import numpy as np, keras_dist as kd
         >>> strategy = kd.MirroredStrategy(["/cpu:0", "/cpu:1"])
         >>> dataset = strategy.distribute_datasets_from_function(
-        ...     lambda context: [np.arange(2.0) + 10 * context.input_pipeline_id])
+        ...     lambda context: [np.arange(2.0), np.arange(2.0, 4.0)])  # one batch a replica
         >>> [batch.tolist() for batch in dataset.global_batches()]
-        [[0.0, 1.0, 0.0, 1.0]]
+        [[0.0, 1.0, 2.0, 3.0]]
         """
         if self._global_batches is None:
             raise ValueError(
@@ -284,10 +284,7 @@ class DistributedDataset:
 
             return _ahead(next_fn, options)
 
-        distributed = cls(make_next_fn)
-        if not extended.spans_processes:
-            distributed._global_batches = _JoinedReplicas(distributed)
-        return distributed
+        return cls(make_next_fn, join_replicas=not extended.spans_processes)
 
     def __iter__(self) -> DistributedIterator:
         refuse_input_read_in_trace()

@@ -427,11 +427,25 @@ class MeshExtended(StrategyExtended, MeshRuntime):
             per_replica.append(
                 jax.tree_util.tree_map(lambda x, d=device: jax.device_put(x, d), value)
             )
-        return _mesh_reductions.regroup_always(per_replica)
+        values = _mesh_reductions.regroup_always(per_replica)
+        if not self.spans_processes:
+            # Alike components kept stacked too: a kd.function compiles for the value on
+            # its first call (components per device are what uneven inputs look like).
+            for leaf in jax.tree_util.tree_leaves(values, is_leaf=_is_dv):
+                if isinstance(leaf, PerReplica) and _alike(leaf.values):
+                    self._placement.as_stacked(leaf)
+        return values
 
 
 def _is_dv(x):
     return isinstance(x, DistributedValues)
+
+
+def _alike(components) -> bool:
+    """Whether per-replica components are arrays of one shape and dtype."""
+    if not all(isinstance(c, jax.Array) for c in components):
+        return False
+    return len({(c.shape, c.dtype) for c in components}) == 1
 
 
 def _stacked_in_program(value) -> bool:

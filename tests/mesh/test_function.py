@@ -557,3 +557,27 @@ def test_a_step_counter_made_outside_the_scope_counts_in_a_function(replicas):
     assert [float(step()) for _ in range(3)] == [2.0 * replicas] * 3
     assert int(steps.value) == 3
     assert step.experimental_get_tracing_count() == 1
+
+
+def test_new_values_from_a_function_each_call_compile_once():
+    # TF compiles once for values of one spec; each new value from
+    # experimental_distribute_values_from_function ran as Python here (traced 0 times).
+    strategy = kd.MirroredStrategy(cpus(4))
+
+    @kd.function
+    def doubled(value):
+        return strategy.run(lambda x: x * 2.0, args=(value,))
+
+    for call in range(3):
+        value = strategy.experimental_distribute_values_from_function(
+            lambda context, call=call: np.float32(context.replica_id_in_sync_group + call)
+        )
+        result = strategy.experimental_local_results(doubled(value))
+        assert [float(x) for x in result] == [2.0 * (i + call) for i in range(4)]
+    assert doubled.experimental_get_tracing_count() == 1
+    # Components of different shapes (uneven) still run, as Python.
+    uneven = strategy.experimental_distribute_values_from_function(
+        lambda context: np.ones((context.replica_id_in_sync_group + 1,), "float32")
+    )
+    shapes = [x.shape for x in strategy.experimental_local_results(doubled(uneven))]
+    assert shapes == [(1,), (2,), (3,), (4,)]
