@@ -137,11 +137,10 @@ class UnevenEngine(EagerEngine):
             self._cache.discard(key)
         self._cache.drop_dead_functions()
         self._retraces.traced(function_key.code, (function_key, tuple(statics), tuple(signature)))
-        program = self._build(fn, treedef, leaves, kinds, dynamic)
-        variables = program.variables()
-        if variables is None:  # a dropped model's variable was collected while it compiled
-            program = self._build(fn, treedef, leaves, kinds, dynamic)
-            variables = program.variables()
+        # The variables it was built for, held here for this call: one of a dropped model
+        # may be collected while it compiles (the program holds them weakly; a later
+        # call then builds it again without them).
+        program, variables = self._build(fn, treedef, leaves, kinds, dynamic)
         *_, key = program_key(fn, treedef, statics, signature, extended, self._foreign)
         self._cache.put(key, program)
         return self._call(program, variables, dynamic)
@@ -250,7 +249,8 @@ class UnevenEngine(EagerEngine):
             )
         self._compiled_engine.check_assignments(record, mirrored, sync_on_read)
         compiled = traced.lower().compile()
-        return _Program(compiled, mirrored, sync_on_read, foreign, record.out)
+        program = _Program(compiled, mirrored, sync_on_read, foreign, record.out)
+        return program, [mirrored, sync_on_read, foreign]
 
     def _program(self, fn, treedef, leaves, kinds, variables, record):
         """The traced function: the replicas on threads, sharing its trace and ``record``."""

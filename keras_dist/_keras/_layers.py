@@ -34,6 +34,24 @@ def _wrap_batch_norm_build(original):
     return build
 
 
+def _wrap_batch_norm_call(original):
+    """A replica without rows leaves its moving statistics as they are, as tf.keras's
+    ``_support_zero_size_input`` does: their moments over 0 rows would be NaN.
+
+    A last batch smaller than the replica count gives some replicas no rows; such a
+    replica's call runs in inference mode (its output has no rows either way).
+    """
+
+    @functools.wraps(original)
+    def call(self, inputs, training=None, mask=None):
+        shape = tuple(getattr(inputs, "shape", ()))
+        if training and shape[:1] == (0,) and _context.has_strategy():
+            training = False
+        return original(self, inputs, training=training, mask=mask)
+
+    return call
+
+
 def _wrap_reduce_values(original):
     """An empty batch's loss reduces to 0 under a strategy, as in tf-keras.
 
@@ -105,10 +123,11 @@ def _wrap_seed_next(original):
 
 def install_layer_hooks() -> None:
     """Batch-norm statistics per replica (as tf.keras); a replica without rows has a
-    loss of 0; each replica's random draws are its own."""
+    loss of 0 and leaves them as they are; each replica's random draws are its own."""
     if getattr(BatchNormalization.build, "_keras_dist_hook", False):
         return
     BatchNormalization.build = _wrap_batch_norm_build(BatchNormalization.build)
+    BatchNormalization.call = _wrap_batch_norm_call(BatchNormalization.call)
     loss_module.reduce_values = _wrap_reduce_values(loss_module.reduce_values)
     SeedGenerator.next = _wrap_seed_next(SeedGenerator.next)
     Trainer._compute_loss = _wrap_compute_loss(Trainer._compute_loss)

@@ -873,3 +873,25 @@ def test_variable_created_in_scope_is_tfs():
     default = kd.get_strategy().extended
     assert default.variable_created_in_scope(plain)
     assert not default.variable_created_in_scope(mine)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_cross_replica_assign_of_an_integer_sum_variable_reads_back_exactly(n):
+    # Keras 3's metrics assign their integer totals (IoU's confusion matrix, a count):
+    # TF's split (value / replicas on each) truncated them: 10 read back as 8 on 4
+    # replicas, a matrix of ones as zeros, and 19000003 as 19000004 through a float.
+    strategy = _strategy(n)
+    count = _on_read(strategy, np.int32(0), "sum")
+    with strategy.scope():
+        count.assign(count.value + 10)
+        assert int(count.value) == 10
+        count.assign(np.int32(19_000_003))
+    assert int(count.value) == 19_000_003
+    assert [int(c) for c in numpy_components(count)] == [19_000_003] + [0] * (n - 1)
+    with strategy.scope():
+        iou = keras.metrics.IoU(num_classes=2, target_class_ids=[0, 1])
+        in_scope = float(iou([0, 0, 1, 1], [0, 1, 0, 1]))
+        matrix = np.asarray(iou.total_cm.value)
+    plain = keras.metrics.IoU(num_classes=2, target_class_ids=[0, 1])
+    assert in_scope == float(plain([0, 0, 1, 1], [0, 1, 0, 1])) == pytest.approx(1 / 3)
+    np.testing.assert_array_equal(matrix, [[1, 1], [1, 1]])

@@ -706,3 +706,32 @@ def test_fit_evaluate_and_predict_take_a_distributed_dataset_as_tf():
             np.testing.assert_allclose(history[key], expected_history[key], rtol=1e-5)
         np.testing.assert_allclose(scores, expected_scores, rtol=1e-5)
         np.testing.assert_allclose(predictions, expected_predictions, rtol=1e-5, atol=1e-6)
+
+
+def test_a_replica_without_rows_leaves_its_batch_norm_statistics_as_they_are():
+    # 33 rows in batches of 16 on 4 replicas: the last batch's one row goes to replica 0
+    # and the other three have none. Their moments over 0 rows were NaN, and so became
+    # the moving statistics and every later prediction. As tf.keras: they stay as they were.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(33, 4)).astype("float32")
+    y = rng.normal(size=(33, 1)).astype("float32")
+    strategy = kd.MirroredStrategy(cpus(4))
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+        )
+        model.compile("sgd", "mse")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    bn = model.layers[0]
+    # Each replica's own moving statistics (momentum 0.99), read as their mean.
+    means, variances = np.zeros((4, 4)), np.ones((4, 4))
+    pieces = [[x[s + 4 * r : s + 4 * r + 4] for r in range(4)] for s in (0, 16)]
+    pieces.append([x[32:33], None, None, None])
+    for step in pieces:
+        for r, rows in enumerate(step):
+            if rows is not None:
+                means[r] = 0.99 * means[r] + 0.01 * rows.mean(axis=0)
+                variances[r] = 0.99 * variances[r] + 0.01 * rows.var(axis=0)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), means.mean(axis=0), atol=1e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variances.mean(axis=0), atol=1e-6)
+    assert np.all(np.isfinite(model.predict(x, verbose=0)))
