@@ -22,17 +22,20 @@ _FIX = (
 )
 
 
+# Looked up once: every `strategy.run` asks (about half a microsecond then).
+_TRACE_CONTEXT = getattr(jax_core, "trace_ctx", None)
+_EVAL_TRACE = getattr(jax_core, "EvalTrace", None)
+
+
 def current_trace():
     """The JAX trace code runs in now, or ``None`` where this JAX version does not say."""
-    context = getattr(jax_core, "trace_ctx", None)
-    return getattr(context, "trace", None)
+    return getattr(_TRACE_CONTEXT, "trace", None)
 
 
 def outside_any_trace() -> bool:
     """Whether code runs eagerly (no JAX trace), or this JAX version does not say."""
     trace = current_trace()
-    eval_trace = getattr(jax_core, "EvalTrace", None)
-    return trace is None or eval_trace is None or isinstance(trace, eval_trace)
+    return trace is None or _EVAL_TRACE is None or isinstance(trace, _EVAL_TRACE)
 
 
 def refuse_foreign_trace(what: str, expected=None) -> None:
