@@ -104,10 +104,11 @@ class EveryWorkerReadsAll(_HostBatches):
 
     def get_numpy_iterator(self):
         while True:
-            steps = 0
-            for steps, batch in enumerate(self._one_pass(), 1):  # noqa: B007
+            read_any = False
+            for batch in self._one_pass():
+                read_any = True
                 yield batch
-            if not (self._endless and steps):
+            if not (self._endless and read_any):  # (an empty dataset ends, endless or not)
                 return
 
     def _one_pass(self):

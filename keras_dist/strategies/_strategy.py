@@ -197,7 +197,7 @@ class Strategy(DistributionStrategy):
         value = _without_tensorflow_values(value)
         if _is_nest(value) and _is_nest_of_distributed(value):
             # ``run``'s results as they come (a tuple or dict of per-replica values):
-            # TF gathers each element.
+            # each element gathered, as ``reduce`` does and TF's ``all_gather``.
             return jax.tree_util.tree_map(
                 lambda v: self.gather(v, axis),
                 value,
