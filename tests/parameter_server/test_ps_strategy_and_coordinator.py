@@ -667,6 +667,11 @@ def test_sharded_variable_of_keras_variables():
         ]
     )
     assert np.asarray(table.embedding_lookup([0, 3, 4])).tolist() == [[1, 2], [7, 8], [9, 10]]
+    # TF raises for an id outside the table ("indices[1] = 5 is not in [0, 5)"); JAX's
+    # gather gave a NaN row for 5 and the last row for -1.
+    for ids, message in (([0, 5], r"indices\[1\] = 5 is not in \[0, 5\)"), ([[-1]], "= -1")):
+        with pytest.raises(kd.errors.InvalidArgumentError, match=message):
+            table.embedding_lookup(ids)
 
 
 def test_partitioned_variables_are_sharded_variables(five_workers):
@@ -679,6 +684,8 @@ def test_partitioned_variables_are_sharded_variables(five_workers):
     assert isinstance(table, kd.experimental.ShardedVariable)
     assert not isinstance(scalar, kd.experimental.ShardedVariable)
     assert np.asarray(table.embedding_lookup([0, 3, 4])).tolist() == [[1, 2], [7, 8], [9, 10]]
+    with pytest.raises(kd.errors.InvalidArgumentError, match=r"indices\[0\] = 7"):
+        table.embedding_lookup([7])
 
 
 def test_closures_of_one_program_are_taken_together_in_fair_shares():

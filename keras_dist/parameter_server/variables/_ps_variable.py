@@ -14,7 +14,6 @@ import threading
 import weakref
 
 import jax.numpy as jnp
-import keras
 import numpy as np
 
 from keras_dist._keras import KerasVariable
@@ -25,6 +24,7 @@ from keras_dist._values._variables import DistributedVariable
 from keras_dist.parameter_server.scheduling._trace import current_trace
 from keras_dist.parameter_server.variables._client import ps_device
 from keras_dist.parameter_server.variables._sharded import ShardedVariable
+from keras_dist.parameter_server.variables._sharded import lookup_rows
 
 
 class _ShardShapes(threading.local):
@@ -161,7 +161,7 @@ class PartitionedVariable(PSVariable):
 
     def embedding_lookup(self, ids):
         """Rows ``ids`` of the whole variable (``tf.nn.embedding_lookup``)."""
-        return keras.ops.take(self.value, keras.ops.convert_to_tensor(ids), axis=0)
+        return lookup_rows(self.value, ids)
 
 
 ShardedVariable.register(PartitionedVariable)

@@ -15,8 +15,11 @@ between the shards, and ``embedding_lookup`` gathers rows.
 
 import abc
 
+import jax
 import keras
 import numpy as np
+
+from keras_dist import errors
 
 
 # An ABC without abstract methods: partitioned ps variables register as one.
@@ -133,7 +136,32 @@ class ShardedVariable(metaclass=abc.ABCMeta):  # noqa: B024
 
     def embedding_lookup(self, ids):
         """Rows ``ids`` of the whole variable (``tf.nn.embedding_lookup``)."""
-        return keras.ops.take(self.value, keras.ops.convert_to_tensor(ids), axis=0)
+        return lookup_rows(self.value, ids)
 
     def __repr__(self):
         return f"<ShardedVariable {self.name} shape={self.shape} shards={len(self._variables)}>"
+
+
+def lookup_rows(table, ids):
+    """Rows ``ids`` of ``table``; an id outside it raises, as TF's lookup does, where it is
+    known (outside a compiled program: inside one JAX gives NaN rows for it).
+
+    >>> lookup_rows(np.eye(2, dtype="float32"), [1]).tolist()
+    [[0.0, 1.0]]
+    """
+    ids = keras.ops.convert_to_tensor(ids)
+    if not isinstance(ids, jax.core.Tracer):
+        _check_ids(np.asarray(ids), table.shape[0])
+    return keras.ops.take(table, ids, axis=0)
+
+
+def _check_ids(ids, rows) -> None:
+    outside = np.flatnonzero((ids < 0) | (ids >= rows))
+    if outside.size:
+        index = np.unravel_index(outside[0], ids.shape) if ids.ndim else ()
+        where = ", ".join(str(int(i)) for i in index)
+        raise errors.InvalidArgumentError(
+            f"indices[{where}] = {int(ids.reshape(-1)[outside[0]])} is not in [0, {rows}): "
+            f"`embedding_lookup` takes row ids of the table. Received: ids with "
+            f"{outside.size} id(s) outside the table's {rows} rows"
+        )
