@@ -24,7 +24,7 @@ _OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_len
 
 
 def _grpc_echo_server(port, ready):
-    import grpc
+    import grpc  # (in the server's own process, started fresh by "spawn")
 
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(2), options=_OPTIONS)
     handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
@@ -75,6 +75,7 @@ def _milliseconds(call, calls):
 
 
 def main():
+    # Here, not at the top: the "spawn" echo servers import this module and need neither.
     import grpc
 
     import keras_dist as kd

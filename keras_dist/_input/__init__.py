@@ -3,6 +3,7 @@
 from keras_dist._input._dataset import DistributedDataset as DistributedDataset
 from keras_dist._input._dataset import DistributedIterator as DistributedIterator
 from keras_dist._input._dataset import EndOfInput as EndOfInput
+from keras_dist._input._dataset import JoinedReplicas as JoinedReplicas
 from keras_dist._input._dataset import Optional as Optional
 from keras_dist._input._numpy_dataset import NumpyDataset as NumpyDataset
 from keras_dist._input._options import InputContext as InputContext

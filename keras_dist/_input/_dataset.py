@@ -29,7 +29,6 @@ from keras_dist._input._split import RebatchedForEveryWorker
 from keras_dist._input._split import per_replica_batches
 from keras_dist._input._static_shapes import statically_shaped
 from keras_dist._jax_trace import refuse_foreign_trace
-from keras_dist._keras import DataAdapter
 from keras_dist._values import DistributedValues
 from keras_dist._values import PerReplica
 from keras_dist.data import AutoShardPolicy
@@ -165,7 +164,7 @@ class DistributedDataset:
         self._make_next_fn = make_next_fn
         self._element_spec = None
         # What Keras's loops read instead (see ``global_batches``); None: they cannot.
-        self._global_batches = _JoinedReplicas(self) if join_replicas else global_batches
+        self._global_batches = JoinedReplicas(self) if join_replicas else global_batches
 
     def global_batches(self):
         """The global batches this dataset splits, for ``fit``, ``evaluate`` and ``predict``.
@@ -304,9 +303,9 @@ class DistributedDataset:
         return self._element_spec
 
 
-class _JoinedReplicas(DataAdapter):
+class JoinedReplicas:
     """Each element of a distributed dataset as one global batch: its replicas' batches
-    joined on the host, in replica order (re-iterable; a Keras data adapter)."""
+    joined on the host, in replica order (re-iterable)."""
 
     def __init__(self, distributed):
         self._distributed = distributed
@@ -316,15 +315,6 @@ class _JoinedReplicas(DataAdapter):
             yield jax.tree_util.tree_map(
                 _joined, element, is_leaf=lambda v: isinstance(v, DistributedValues)
             )
-
-    def get_numpy_iterator(self):
-        return iter(self)
-
-    def get_jax_iterator(self):
-        return iter(self)
-
-    # Not known ahead, as for Keras's own adapters of generators.
-    num_batches = batch_size = has_partial_batch = partial_batch_size = None
 
 
 def _joined(value):

@@ -14,6 +14,7 @@ import numpy as np
 
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._input import DistributedDataset
+from keras_dist._input import JoinedReplicas
 from keras_dist._input import NumpyDataset
 from keras_dist._input import batch_rows
 from keras_dist._input._host_arrays import to_host_arrays
@@ -38,6 +39,8 @@ def loop_input(data, strategy, shuffle=False, steps_given=False):
     extended = None if strategy is None else strategy.extended
     if isinstance(data, DistributedDataset):
         data = data.global_batches()
+        if isinstance(data, JoinedReplicas):
+            data = _Batches(data)
     policy = policy_of(data)
     data = without_policy(data)
     if isinstance(data, NumpyDataset):
@@ -77,6 +80,16 @@ class _HostBatches(DataAdapter):
     @property
     def partial_batch_size(self):
         return None
+
+
+class _Batches(_HostBatches):
+    """A re-iterable of host batches (a distributed dataset's joined elements) for Keras."""
+
+    def __init__(self, batches):
+        self._batches = batches
+
+    def get_numpy_iterator(self):
+        return iter(self._batches)
 
 
 class EveryWorkerReadsAll(_HostBatches):

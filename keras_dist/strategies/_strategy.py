@@ -132,11 +132,7 @@ class Strategy(DistributionStrategy):
                     f"nest of them; reduce each element, e.g. [strategy.reduce(op, v, "
                     f"axis={axis!r}) for v in values]. Received: a {type(value).__name__}"
                 )
-            return jax.tree_util.tree_map(
-                lambda v: self._extended.reduce_value(reduce_op, v, None),
-                value,
-                is_leaf=lambda v: isinstance(v, DistributedValues),
-            )
+            return _map_whole(lambda v: self._extended.reduce_value(reduce_op, v, None), value)
         if axis is not None:
             axis = _checked_axis("reduce", value, axis)
             _check_alike_but_along("reduce", value, axis)
@@ -179,10 +175,8 @@ class Strategy(DistributionStrategy):
         if _is_nest_of_distributed(value):
             n = self._extended.num_local_replicas
             return tuple(
-                jax.tree_util.tree_map(
-                    lambda v, i=i: v.values[i] if isinstance(v, DistributedValues) else v,
-                    value,
-                    is_leaf=lambda v: isinstance(v, DistributedValues),
+                _map_whole(
+                    lambda v, i=i: v.values[i] if isinstance(v, DistributedValues) else v, value
                 )
                 for i in range(n)
             )
@@ -198,11 +192,7 @@ class Strategy(DistributionStrategy):
         if _is_nest(value) and _is_nest_of_distributed(value):
             # ``run``'s results as they come (a tuple or dict of per-replica values):
             # each element gathered, as ``reduce`` does and TF's ``all_gather``.
-            return jax.tree_util.tree_map(
-                lambda v: self.gather(v, axis),
-                value,
-                is_leaf=lambda v: isinstance(v, DistributedValues),
-            )
+            return _map_whole(lambda v: self.gather(v, axis), value)
         axis = _checked_axis("gather", value, axis)
         _check_alike_but_along("gather", value, axis)
         return self._extended.gather_value(value, axis)
@@ -336,8 +326,17 @@ def _is_nest(value) -> bool:
 
 
 def _is_nest_of_distributed(value) -> bool:
-    leaves = jax.tree_util.tree_leaves(value, is_leaf=lambda v: isinstance(v, DistributedValues))
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=_is_distributed)
     return any(isinstance(v, DistributedValues) for v in leaves)
+
+
+def _is_distributed(value) -> bool:
+    return isinstance(value, DistributedValues)
+
+
+def _map_whole(fn, tree):
+    """``fn`` on each leaf of ``tree``, a distributed value being one leaf."""
+    return jax.tree_util.tree_map(fn, tree, is_leaf=_is_distributed)
 
 
 class _Scope:
@@ -405,14 +404,12 @@ def _settle_first_values(strategy):
 def _without_tensorflow_values(tree):
     """``tree`` with TensorFlow tensors as NumPy arrays (a ported program passes them)."""
     # Distributed values stay whole: their components are ours already.
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, DistributedValues))
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_distributed)
     for leaf in leaves:
         if isinstance(leaf, np.ndarray):
             warn_if_int64_narrowed(leaf.dtype)
     if any(is_tensorflow_value(leaf) for leaf in leaves):
-        return jax.tree_util.tree_map(
-            to_host_array, tree, is_leaf=lambda x: isinstance(x, DistributedValues)
-        )
+        return _map_whole(to_host_array, tree)
     return tree
 
 
