@@ -5,7 +5,8 @@ Both run the same Keras MLP (``--depth`` hidden Dense(8) layers, SGD with moment
 16, so the device's work is negligible) on one device, alternating in one process:
 
 (a) keras_dist: ``OneDeviceStrategy``, the custom-loop example's step (``strategy.run`` +
-    ``strategy.reduce``) in one ``@kd.function`` over a distributed dataset's batches;
+    ``strategy.reduce``) in one ``@kd.function`` over a distributed dataset's batches
+    (with ``--eager``, the two called as they are, without ``@kd.function``);
 (b) Keras's guide loop: ``stateless_call`` and ``optimizer.stateless_apply`` in one
     ``jax.jit`` (donating its state), on batches already on the device.
 
@@ -14,7 +15,7 @@ processes on a shared machine does not count), and of it the time keras_dist spe
 JAX's call of its compiled program (keras_dist's own Python: reading and writing back the
 variables, checking and placing the arguments, rebuilding the results).
 
-    python benchmarks/host_cost.py [--depth 1] [--calls 1000] [--repeats 9]
+    python benchmarks/host_cost.py [--depth 1] [--calls 1000] [--repeats 9] [--eager]
 
 Prints one line: both calls' host time and their ratio (medians of the repeats).
 """
@@ -29,6 +30,7 @@ parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--depth", type=int, default=1, help="hidden layers (2 variables each)")
 parser.add_argument("--calls", type=int, default=1000, help="calls per timed repeat")
 parser.add_argument("--repeats", type=int, default=9)
+parser.add_argument("--eager", action="store_true", help="strategy.run without @kd.function")
 args = parser.parse_args()
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -65,9 +67,11 @@ def keras_dist_step():
         optimizer = keras.optimizers.SGD(0.05, momentum=0.9)
     train_step = make_train_step(model, optimizer, global_batch_size=BATCH)
 
-    @kd.function
     def step(batch):
         return strategy.reduce("SUM", strategy.run(train_step, args=(batch,)), None)
+
+    if not args.eager:
+        step = kd.function(step)
 
     dataset = list(strategy.experimental_distribute_dataset(batches()))
 
@@ -159,8 +163,9 @@ def main():
         plain.append(host_time(theirs, args.calls))
     ratios = [p / t for p, t in zip(plain, totals)]
     device = jax.devices()[0]
+    ours_name = "strategy.run" if args.eager else "@kd.function"
     print(
-        f"host_cost: keras_dist @kd.function {statistics.median(totals):.1f} µs a call (its "
+        f"host_cost: keras_dist {ours_name} {statistics.median(totals):.1f} µs a call (its "
         f"own Python {statistics.median(own):.1f} µs) vs Keras's own jit step "
         f"{statistics.median(plain):.1f} µs, ratio {statistics.median(ratios):.2f} "
         f"[1 x {device.platform}, MLP of {args.depth} hidden layers, "

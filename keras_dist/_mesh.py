@@ -61,21 +61,21 @@ class PlacedAlike:
 
     def __init__(self):
         self._known: dict = {}
-        self._last = (None, None, None, False)  # (sharding, target, rank, answer), held
+        # Per rank, the last (sharding, target, answer), held: a loop's batches share
+        # one sharding object, and features and labels (two ranks) alternate.
+        self._last: dict = {}
 
     def __call__(self, array: jax.Array, target) -> bool:
         sharding, ndim = array.sharding, array.ndim
-        last = self._last
-        if last[0] is sharding and last[1] is target and last[2] == ndim:
-            return last[3]  # (a loop's batches share one sharding object: no comparing)
-        if sharding == target:
-            return True
+        last = self._last.get(ndim)
+        if last is not None and last[0] is sharding and last[1] is target:
+            return last[2]  # (no comparing)
         key = (target, sharding, ndim)
-        known = self._known.get(key)
+        known = True if sharding == target else self._known.get(key)
         if known is None:
             known = sharding.is_equivalent_to(target, ndim)
             if len(self._known) >= self._LIMIT:
                 self._known.clear()
             self._known[key] = known
-        self._last = (sharding, target, ndim, known)
+        self._last[ndim] = (sharding, target, known)
         return known

@@ -38,7 +38,7 @@ from keras_dist._engine._donation import copy_shared_buffers
 from keras_dist._engine._donation import copy_shared_storage
 from keras_dist._engine._donation import copy_stored_arguments
 from keras_dist._engine._donation import keep_placed
-from keras_dist._engine._function_key import FunctionKey
+from keras_dist._engine._function_key import key_of
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._interrupts import interrupts_held
@@ -194,7 +194,7 @@ def program_key(fn, treedef, statics, signature, extended, foreign) -> tuple:
     variable set and the foreign variables threaded so far (they change after
     a build that met new variables, so it is taken again after a build).
     """
-    function_key = FunctionKey(fn)
+    function_key = key_of(fn)
     base = (function_key, treedef, tuple(statics), tuple(signature))
     return function_key, base, base + (extended.variable_state().version, len(foreign))
 

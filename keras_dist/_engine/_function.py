@@ -118,6 +118,8 @@ class _Program:
         self._stored = StoredOutputs()
         # Where the program takes its array arguments (after the threaded state).
         self._placement = ProgramPlacement(compiled.input_shardings[0][-1])
+        shardings = jax.tree_util.tree_leaves(compiled.output_shardings)
+        self._one_device = all(len(s.device_set) == 1 for s in shardings)
 
     def current(self) -> bool:
         return self._liveness.alive and self.versions == _versions(self.extendeds)
@@ -144,7 +146,7 @@ class _Program:
             for (_, write), variable, value in zip(self._access, state, new_state):
                 write(variable, value)  # (only the written ones came back: the first)
             self._stored.remember(new_state + values[len(new_state) :])
-        outputs = rebuild_outputs(self.out_treedef, self.out_layout, outputs)
+        outputs = rebuild_outputs(self.out_treedef, self.out_layout, outputs, self._one_device)
         return local_only(outputs) if self.cut_to_local else outputs
 
 

@@ -47,9 +47,14 @@ def flatten_outputs(outputs):
     return arrays, (treedef, layout, cut_to_local)
 
 
-def rebuild_outputs(treedef, layout, arrays):
-    """The outputs as the function returned them, from a call's ``arrays`` and the record."""
+def rebuild_outputs(treedef, layout, arrays, one_device=False):
+    """The outputs as the function returned them, from a call's ``arrays`` and the record.
+
+    ``one_device``: the program ran on one device (its arrays are already where an
+    eager result would be).
+    """
     arrays = iter(arrays)
+    place = _as_they_are if one_device else on_first_device
     leaves = []
     for slot in layout:
         if slot is _PER_REPLICA:
@@ -60,10 +65,14 @@ def rebuild_outputs(treedef, layout, arrays):
         elif slot is _MIRRORED:
             leaves.append(Mirrored(None, _replicated=next(arrays), _validate=False))
         elif slot is _ARRAY:
-            leaves.append(on_first_device(next(arrays)))
+            leaves.append(place(next(arrays)))
         else:
             leaves.append(slot)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _as_they_are(x):
+    return x
 
 
 def _is_output_leaf(x):

@@ -60,6 +60,32 @@ def test_closures_capturing_different_objects_are_different_functions():
     assert _traces(strategy) == before
 
 
+def test_the_same_function_with_a_captured_object_replaced_runs_the_new_object():
+    # A loop's step function is keyed once while it captures the same objects: one
+    # whose closure cell now holds another layer or number is another function.
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        first = keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)
+        second = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(2.0))
+    layer, scale = first, 1.0
+    x = np.ones((4, 3), "float32")
+
+    def replica_fn(inputs):
+        return keras.ops.sum(layer(inputs)) * scale
+
+    def total():
+        return float(strategy.reduce("SUM", strategy.run(replica_fn, args=(x,)), axis=None))
+
+    assert total() == 24.0  # each replica: 4 rows of 3 ones, times the kernel's 1s
+    assert total() == 24.0
+    layer = second
+    assert total() == 48.0
+    scale = 0.5
+    assert total() == 24.0
+    layer = first
+    assert total() == 12.0
+
+
 def test_a_closure_over_a_list_or_dict_made_afresh_is_traced_once():
     # A list or a dict is neither hashable nor weakly referenceable: the key is what
     # it holds, so a closure made every call over the same objects hits the cache.
