@@ -1,6 +1,7 @@
 """Turns TensorFlow device strings and JAX devices into ``jax.Device`` objects."""
 
 import re
+import warnings
 from collections.abc import Iterable
 from collections.abc import Sequence
 
@@ -45,6 +46,8 @@ def resolve_device(device: "str | jax.Device", name: str = "device") -> jax.Devi
         candidates = jax.local_devices(backend=platform)
     except RuntimeError:
         candidates = []
+    if not candidates and platform != "cpu":
+        return _on_the_cpu(device, match["kind"].upper(), index, name)
     if index >= len(candidates):
         available = [device_name(d) for d in jax.local_devices()]
         raise ValueError(
@@ -52,6 +55,30 @@ def resolve_device(device: "str | jax.Device", name: str = "device") -> jax.Devi
             f"{available}. Received: {name}={device!r}"
         )
     return candidates[index]
+
+
+def _on_the_cpu(device: str, kind: str, index: int, name: str) -> jax.Device:
+    """A GPU or TPU named on a host that has none: the CPU device of the same index.
+
+    TF's soft device placement runs a program written for GPUs on the CPU (a
+    script from a GPU machine, tried on a laptop or a CPU-only CI). A replica
+    here needs a device of its own: ``/gpu:1`` needs a second CPU device.
+    """
+    cpus = jax.local_devices(backend="cpu")
+    if index >= len(cpus):
+        raise ValueError(
+            f"Device {device!r} does not exist on this host, which has no {kind}. TF "
+            "would run it on the CPU; keras_dist runs each replica on a device of its "
+            f"own, and this host has {len(cpus)} CPU device(s). Name fewer devices, or "
+            f"set XLA_FLAGS=--xla_force_host_platform_device_count={index + 1} before "
+            f"JAX starts to simulate more CPU devices. Received: {name}={device!r}"
+        )
+    warnings.warn(
+        f"keras_dist: {device!r} names a {kind}, and this host has none: it runs on "
+        f"CPU device {index} instead, as TF's soft device placement would run it.",
+        stacklevel=4,
+    )
+    return cpus[index]
 
 
 def resolve_devices(devices: "Sequence[str | jax.Device] | None", name: str = "devices") -> tuple:
