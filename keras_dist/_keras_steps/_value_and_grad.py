@@ -5,6 +5,10 @@ function computing ``loss_fn(*args)`` and its gradients with respect to
 ``variables``; assignments ``loss_fn`` makes to other variables (batch-norm
 statistics, say) are kept. Inside ``strategy.run`` gradients are per replica,
 as TF's tape gives them; the optimizer sums them across replicas.
+
+A variable the loss does not depend on gets ``None``, as ``tape.gradient``
+gives it (JAX's zeros would let the optimizer's weight decay shrink a variable
+TF leaves alone; Keras's optimizer skips ``None``, with a warning).
 """
 
 import jax
@@ -25,6 +29,12 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
     >>> loss, grads = kd.value_and_grad(lambda: w * w, [w])()
     >>> float(loss), float(grads[0])
     (9.0, 6.0)
+
+    A variable the loss does not use gets ``None``, as from TF's tape:
+
+    >>> unused = keras.Variable(1.0)
+    >>> kd.value_and_grad(lambda: w * w, [w, unused])()[1][1] is None
+    True
     """
     variables = list(variables)
 
@@ -35,7 +45,10 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
         current = [v.value for v in variables]
         writes = []  # (variable, kind), replayed after the gradient
 
+        reached = [False] * len(variables)  # set while the gradient is traced
+
         def pure(values):
+            values = [_watched(reached, i)(x) for i, x in enumerate(values)]
             mapping = dict(outer)
             mapping.update({id(v): x for v, x in zip(variables, values)})
             deferred = []
@@ -56,9 +69,34 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
         (loss, (aux, values_out)), grads = jax.value_and_grad(pure, has_aux=True)(current)
         for (variable, kind), value in zip(writes, values_out):
             getattr(variable, kind)(value)
-        return ((loss, aux) if has_aux else loss), list(grads)
+        grads = [g if connected else None for g, connected in zip(grads, reached)]
+        return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
+
+
+def _watched(reached, index):
+    """The identity, noting in ``reached[index]`` that a gradient flows back through it.
+
+    JAX passes no cotangent through an identity whose output the loss never uses
+    (nor through ``stop_gradient``): its backward rule is not called, and the
+    variable is unconnected, as TF's tape says with ``None``. A gradient that is
+    zero by arithmetic (a dead ReLU, ``0 * w``) still comes back as zeros, as in TF.
+    """
+
+    @jax.custom_vjp
+    def watch(x):
+        return x
+
+    def forward(x):
+        return x, None
+
+    def backward(_, cotangent):
+        reached[index] = True
+        return (cotangent,)
+
+    watch.defvjp(forward, backward)
+    return watch
 
 
 def _check_built(variables) -> None:

@@ -153,3 +153,49 @@ def test_mean_of_integer_replica_ids_is_a_float_as_in_tf(engine):
     ids = strategy.run(lambda: kd.get_replica_context().replica_id_in_sync_group)
     assert float(strategy.reduce("MEAN", ids, axis=None)) == 1.5
     assert int(strategy.reduce("SUM", ids, axis=None)) == 6
+
+
+# TF 2.21, the same step (MirroredStrategy on one CPU, tf.GradientTape, AdamW(0.1,
+# weight_decay=0.5), 3 steps): the unused layer's gradients are None, Keras's optimizer
+# skips them with a warning, and its weights stay [1, 1], [0]; the used layer's end at:
+_TF_USED_AFTER_3_STEPS = [[0.5825238823890686, 0.5852774381637573], [-0.23327773809432983]]
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("compiled", [False, True], ids=["run", "kd.function"])
+def test_a_variable_the_loss_does_not_use_gets_none_and_keeps_its_value(engine, devices, compiled):
+    strategy = kd.MirroredStrategy(cpus(devices))
+    x = np.arange(8, dtype="float32").reshape(4, 2) / 8
+    y = np.array([[1.0], [0.0], [1.0], [0.0]], "float32")
+    with strategy.scope():
+        used = keras.layers.Dense(1, kernel_initializer="ones")
+        unused = keras.layers.Dense(1, kernel_initializer="ones")
+        used.build((None, 2))
+        unused.build((None, 2))
+        optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    variables = used.trainable_variables + unused.trainable_variables
+    grads_seen = []
+
+    def replica_fn(x, y):
+        def loss_fn():
+            return kd.nn.compute_average_loss(keras.ops.sum((used(x) - y) ** 2, axis=1))
+
+        loss, grads = kd.value_and_grad(loss_fn, variables)()
+        grads_seen.append([g is None for g in grads])
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    def step(x, y):
+        return strategy.run(replica_fn, args=(x, y))
+
+    if compiled:
+        step = kd.function(step)
+    batches = strategy.experimental_distribute_dataset([(x, y)] * 3)
+    with pytest.warns(UserWarning, match="Gradients do not exist for variables"):
+        for batch in batches:
+            step(*batch)
+    assert grads_seen[-1] == [False, False, True, True]
+    weights = [np.asarray(v.value).ravel().tolist() for v in variables]
+    np.testing.assert_allclose(weights[0], _TF_USED_AFTER_3_STEPS[0], rtol=1e-6)
+    np.testing.assert_allclose(weights[1], _TF_USED_AFTER_3_STEPS[1], rtol=1e-6)
+    assert weights[2:] == [[1.0, 1.0], [0.0]]  # JAX's zeros had decayed them to 0.857
