@@ -12,6 +12,7 @@ TF leaves alone; Keras's optimizer skips ``None``, with a warning).
 """
 
 import jax
+from jax.custom_derivatives import SymbolicZero
 
 from keras_dist._keras import RecordingScope
 from keras_dist._keras import current_scope
@@ -48,7 +49,7 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
         reached = [False] * len(variables)  # set while the gradient is traced
 
         def pure(values):
-            values = [_watched(reached, i)(x) for i, x in enumerate(values)]
+            values = _watched(reached)(values)
             mapping = dict(outer)
             mapping.update({id(v): x for v, x in zip(variables, values)})
             deferred = []
@@ -75,27 +76,32 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
     return wrapped
 
 
-def _watched(reached, index):
-    """The identity, noting in ``reached[index]`` that a gradient flows back through it.
+def _watched(reached):
+    """The identity on a list of values, noting in ``reached[i]`` whether a gradient
+    flows back to the i-th.
 
-    JAX passes no cotangent through an identity whose output the loss never uses
-    (nor through ``stop_gradient``): its backward rule is not called, and the
-    variable is unconnected, as TF's tape says with ``None``. A gradient that is
-    zero by arithmetic (a dead ReLU, ``0 * w``) still comes back as zeros, as in TF.
+    JAX hands the backward rule a symbolic zero for an output the loss never uses
+    (or uses through ``stop_gradient``): that variable is unconnected, as TF's tape
+    says with ``None``. A gradient that is zero by arithmetic (a dead ReLU,
+    ``0 * w``) is an array of zeros, and stays one, as in TF.
     """
 
     @jax.custom_vjp
-    def watch(x):
-        return x
+    def watch(values):
+        return values
 
-    def forward(x):
-        return x, None
+    def forward(values):
+        return [v.value for v in values], None
 
-    def backward(_, cotangent):
-        reached[index] = True
-        return (cotangent,)
+    def backward(_, cotangents):
+        through = []
+        for i, cotangent in enumerate(cotangents):
+            unconnected = isinstance(cotangent, SymbolicZero)
+            reached[i] = reached[i] or not unconnected
+            through.append(None if unconnected else cotangent)
+        return (through,)
 
-    watch.defvjp(forward, backward)
+    watch.defvjp(forward, backward, symbolic_zeros=True)
     return watch
 
 
