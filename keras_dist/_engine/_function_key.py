@@ -130,7 +130,7 @@ def key_of(fn) -> FunctionKey:
 class _KeptKey(NamedTuple):
     code: object
     globals: dict
-    captured: tuple  # each captured object's weak reference (or the value itself)
+    captured: tuple  # each captured object as an ``_Identity``
     key: FunctionKey
 
 
@@ -146,29 +146,15 @@ def _captured(fn) -> list:
 
 
 def _held(captured):
-    """Each captured object held for ``_is_held``; ``None`` if one is a container."""
-    held = []
-    for value in captured:
-        if isinstance(value, (list, tuple, dict)):
-            return None
-        try:
-            held.append(weakref.ref(value))
-        except TypeError:
-            held.append(_Strong(value))
-    return tuple(held)
-
-
-class _Strong(NamedTuple):
-    """A captured value that cannot be held weakly (a number, a string), held as it is."""
-
-    value: object
-
-    def __call__(self):
-        return self.value
+    """Each captured object by identity (weakly where it can be); ``None`` if one is a
+    container."""
+    if any(isinstance(value, (list, tuple, dict)) for value in captured):
+        return None
+    return tuple(_identity(value) for value in captured)
 
 
 def _is_held(held, value) -> bool:
-    return held() is value
+    return held.referent is value
 
 
 def _function_parts(fn) -> tuple:

@@ -34,25 +34,16 @@ class ProgramPlacement:
     def __init__(self, shardings):
         self._shardings = shardings
         self._placed_alike = PlacedAlike()
-        # Per argument, the sharding last found already in place: a loop's batches
-        # share one sharding object, so a call is one identity check per argument.
-        self._in_place = [None] * len(shardings)
 
     def of(self, arrays) -> list:
         """``arrays`` (a program's array arguments) on the shardings it was compiled for."""
-        in_place = self._in_place
-        placed = list(arrays)
-        for i, (x, sharding) in enumerate(zip(arrays, self._shardings)):
-            # ``None``: an argument the program never reads (``jax.jit`` drops it).
-            if sharding is None or not isinstance(x, jax.Array) or not x.committed:
-                continue
-            if x.sharding is in_place[i]:
-                continue
-            if self._placed_alike(x, sharding):
-                in_place[i] = x.sharding
-            else:
-                placed[i] = jax.device_put(x, sharding)
-        return placed
+        return [self._placed(x, sharding) for x, sharding in zip(arrays, self._shardings)]
+
+    def _placed(self, x, sharding):
+        # ``None``: an argument the program never reads (``jax.jit`` drops it).
+        if sharding is None or not isinstance(x, jax.Array) or not x.committed:
+            return x
+        return x if self._placed_alike(x, sharding) else jax.device_put(x, sharding)
 
 
 def on_first_device(x):
