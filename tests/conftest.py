@@ -104,6 +104,16 @@ class BackgroundRun:
 _RUNS: dict = {}
 
 
+def pytest_collection_modifyitems(items):
+    # With ``-n 2 --dist loadgroup`` (the README's test command) the tests that start a
+    # cluster of processes run one after another on one pytest worker, as they would
+    # alone: two clusters at once on a 2-core machine would starve each other's
+    # heartbeats and deadlines. The other worker runs the rest meanwhile.
+    for item in items:
+        if item.get_closest_marker("multiprocess"):
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
 def pytest_collection_finish(session):
     # Under pytest-xdist every worker collects every test and only one runs it:
     # there the pass starts when its test asks for it (the fixture below).

@@ -29,6 +29,7 @@ from keras_dist._keras._model import overrides_keras_step as overrides_keras_ste
 from keras_dist._keras._model import overrides_step as overrides_step
 from keras_dist._keras._model import set_initial_epoch as set_initial_epoch
 from keras_dist._keras._model import step_state as step_state
+from keras_dist._keras._model import step_variables as step_variables
 from keras_dist._keras._model import unpack_x_y_sample_weight as unpack_x_y_sample_weight
 from keras_dist._keras._optimizer import apply_update as apply_update
 from keras_dist._keras._optimizer import clip_gradients as clip_gradients

@@ -63,9 +63,14 @@ def step_state(model, step: str) -> tuple:
     non-trainable, then the optimizer's (train only) and the metrics' (not
     predict), in Keras's order.
     """
+    return tuple([v.value for v in variables] for variables in step_variables(model, step))
+
+
+def step_variables(model, step: str) -> tuple:
+    """The variables of ``step_state``'s entries, in its order."""
     groups = [model.trainable_variables, model.non_trainable_variables]
     if step == "train":
         groups.append(model.optimizer.variables)
     if step in ("train", "test"):
         groups.append(model.metrics_variables)
-    return tuple([v.value for v in variables] for variables in groups)
+    return tuple(groups)

@@ -45,8 +45,12 @@ from keras_dist._input import densify
 from keras_dist._keras import compiled_under
 from keras_dist._keras import execution_batches
 from keras_dist._keras import step_state
+from keras_dist._keras import step_variables
 from keras_dist._keras_steps._custom_steps import counted_by_share
 from keras_dist._keras_steps._custom_steps import custom_logs_averaged
+from keras_dist._keras_steps._fused_steps import MultiStep
+from keras_dist._keras_steps._fused_steps import fused_steps
+from keras_dist._keras_steps._fused_steps import steps_fuse
 from keras_dist._keras_steps._per_shape_steps import PerShapeSteps
 from keras_dist._keras_steps._repeated_steps import RepeatedSteps
 from keras_dist._keras_steps._uneven_batches import UnevenBatchWatch
@@ -209,8 +213,9 @@ class DistributedSteps:
         extended = strategy.extended
         self._serialized = isinstance(extended, MeshRuntime) and extended.placement.serializes
         # One function object each, so that the compiled engine caches their programs.
-        self._train_steps = _multi_step(self._replica_train_step, with_rows=True)
-        self._test_steps = _multi_step(self._replica_test_step, with_rows=False)
+        self._train_steps = MultiStep(self._replica_train_steps).steps
+        self._test_steps = MultiStep(self._replica_test_steps).steps
+        self._fuses = None  # (asked on the first execution of several batches)
 
     # Keras's loops call ``fn(state, iterator)`` and unpack ``(logs, state)``;
     # our state lives in the variables, so ``state`` passes through untouched.
@@ -237,6 +242,11 @@ class DistributedSteps:
         with self._may_run_on():
             return self.strategy.run(fn, args=args)
 
+    def _steps_fuse(self) -> bool:
+        if self._fuses is None:
+            self._fuses = steps_fuse(self.strategy.extended.local_devices, self.model)
+        return self._fuses
+
     def _runs_eagerly(self) -> bool:
         return self.model.run_eagerly or not self.model.jit_compile
 
@@ -249,9 +259,9 @@ class DistributedSteps:
     def _loop(self, step, multi_step, iterator):
         batches = self._batches(iterator)
         splits = [None] * len(batches)  # each step splits its own batch
-        if len(batches) > 1 and not self._runs_eagerly():
+        if len(batches) > 1 and not self._runs_eagerly() and self._steps_fuse():
             # ``steps_per_execution``: the steps of equal, even batches run as one
-            # compiled call, as Keras's jitted multi-step function and TF's do.
+            # compiled loop, as TF's do (``_fused_steps``).
             splits = [self._split(data) for data in batches]
             if _same_even_layout(splits):
                 self._uneven_watch.saw_even()
@@ -302,14 +312,22 @@ class DistributedSteps:
         return self._uneven.supports(self.model)
 
     def _replica_train_step(self, data, global_rows):
+        return self._replica_train_steps([data], [global_rows])
+
+    def _replica_train_steps(self, datas, rows):
+        """Keras's ``train_step`` on each batch in turn (``_fused_steps``)."""
         model = self.model
-        state = step_state(model, "train")
-        with counted_by_share(model, batch_rows(data) / global_rows):
-            logs, new_state = model.train_step(state, data)
-        _assign(model.trainable_variables, new_state[0])
-        _assign(model.non_trainable_variables, new_state[1])
-        _assign(model.optimizer.variables, new_state[2])
-        _assign(model.metrics_variables, new_state[3])
+
+        def step(state, data_and_rows):
+            data, global_rows = data_and_rows
+            with counted_by_share(model, batch_rows(data) / global_rows):
+                logs, state = model.train_step(state, data)
+            return state, logs
+
+        # (Fused batches have one layout, and so one global row count.)
+        pairs = [(data, rows[0]) for data in datas]
+        logs, new_state = fused_steps(step, step_state(model, "train"), pairs)
+        _write_back(model, "train", new_state)
         return _replicated_logs(custom_logs_averaged(model, "train", logs))
 
     # ------------------------------------------------------------------- test
@@ -328,11 +346,18 @@ class DistributedSteps:
         return self._logs(logs, uneven)
 
     def _replica_test_step(self, data):
+        return self._replica_test_steps([data], None)
+
+    def _replica_test_steps(self, datas, rows):
+        """Keras's ``test_step`` on each batch in turn (``_fused_steps``)."""
         model = self.model
-        state = step_state(model, "test")
-        logs, new_state = model.test_step(state, data)
-        _assign(model.non_trainable_variables, new_state[1])
-        _assign(model.metrics_variables, new_state[2])
+
+        def step(state, data):
+            logs, state = model.test_step(state, data)
+            return state, logs
+
+        logs, new_state = fused_steps(step, step_state(model, "test"), datas)
+        _write_back(model, "test", new_state)
         return _replicated_logs(custom_logs_averaged(model, "test", logs))
 
     def _logs(self, per_replica_logs, uneven: bool):
@@ -378,31 +403,6 @@ class DistributedSteps:
         # Kept, as Keras keeps them: a seed generator's state moves on with each predict.
         _assign(model.non_trainable_variables, non_trainable_values)
         return outputs
-
-
-def _multi_step(replica_step, with_rows):
-    """A replica function running ``replica_step`` on each of several batches in turn.
-
-    ``rows`` are the batches' global row counts (a train step scales its loss by them).
-    A method of an object of its own: its traces are counted per model (fitting
-    one model after another traces each one's steps once, which is not retracing).
-    """
-    return _MultiStep(replica_step, with_rows).steps
-
-
-class _MultiStep:
-    def __init__(self, replica_step, with_rows):
-        self._replica_step = replica_step
-        self._with_rows = with_rows
-
-    def steps(self, datas, rows):
-        logs = None
-        for data, global_rows in zip(datas, rows):
-            if self._with_rows:
-                logs = self._replica_step(data, global_rows)
-            else:
-                logs = self._replica_step(data)
-        return logs
 
 
 def _same_even_layout(splits) -> bool:
@@ -475,6 +475,13 @@ def _concatenate_replicas(extended, value):
             return stacked.reshape((-1,) + stacked.shape[2:])
         return np.concatenate([np.asarray(c) for c in value.values])
     return np.asarray(value)
+
+
+def _write_back(model, step, new_state):
+    """Writes a step's new state into the variables (a test step's weights are unchanged)."""
+    groups = zip(step_variables(model, step), new_state)
+    for variables, values in groups if step == "train" else list(groups)[1:]:
+        _assign(variables, values)
 
 
 def _assign(variables, values):

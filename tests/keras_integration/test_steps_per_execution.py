@@ -1,5 +1,10 @@
-"""``steps_per_execution`` runs several fit steps in one compiled call, as one device would."""
+"""``steps_per_execution`` runs several fit steps in one compiled call, as one device would.
 
+The call is one loop over the steps (``_fused_steps``), except for a model with
+convolutions on CPU, whose steps run one call each; both forms run here.
+"""
+
+import jax
 import keras
 import numpy as np
 import pytest
@@ -7,6 +12,7 @@ from conftest import cpus
 
 import keras_dist as kd
 from keras_dist._engine import MISSED
+from keras_dist._keras_steps import _steps
 from keras_dist._keras_steps._repeated_steps import RepeatedSteps
 
 
@@ -28,8 +34,15 @@ def _fit(strategy, steps_per_execution, rows=300, epochs=2):
     return model, history.history, evaluation
 
 
+@pytest.fixture(params=["loop", "apart"])
+def fused_as(request, monkeypatch):
+    """The form of an execution's steps: one loop, or one call each (convolutions on CPU)."""
+    monkeypatch.setattr(_steps, "steps_fuse", lambda devices, model: request.param == "loop")
+    return request.param
+
+
 @pytest.mark.parametrize("steps_per_execution", [3, 4])
-def test_fused_steps_equal_one_device(steps_per_execution, monkeypatch):
+def test_fused_steps_equal_one_device(steps_per_execution, fused_as, monkeypatch):
     reference, reference_history, reference_eval = _fit(kd.OneDeviceStrategy("/cpu:0"), 1)
     strategy = kd.MirroredStrategy(cpus(4))
     calls = []
@@ -61,4 +74,56 @@ def test_fused_steps_equal_one_device(steps_per_execution, monkeypatch):
     # `steps_per_execution`: 3 gives [1-3] [4-6] [7-9] [10]; 4 gives [1-4] [5-8]
     # [9, 10], whose batches differ in shape and run one by one. Two epochs of fit
     # and one evaluate: 4 calls each, against 10 without fusing.
-    assert len(calls) == 12
+    assert len(calls) == (12 if fused_as == "loop" else 30)
+
+
+def test_a_loop_of_fused_steps_traces_the_step_once():
+    # Unrolled, the program would hold a copy of the step per batch: compiling
+    # steps_per_execution=50 would take 50 steps' compile. The loop holds one.
+    strategy = kd.MirroredStrategy(cpus(2))
+    traced = {"train": 0, "test": 0}
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+        model.compile("sgd", "mse", metrics=["mae"], steps_per_execution=8)
+
+    def counted(kind):
+        original = getattr(model, f"{kind}_step")
+
+        def step(state, data):
+            traced[kind] += 1
+            return original(state, data)
+
+        return step
+
+    model.train_step, model.test_step = counted("train"), counted("test")
+    x, y = np.ones((64, 5), "float32"), np.ones((64, 3), "float32")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    # One program of 8 steps each (64 rows in batches of 8), traced once.
+    assert traced == {"train": 1, "test": 1}
+    assert int(model.optimizer.iterations.value) == 16
+
+
+def test_steps_fuse_off_cpu_and_on_cpu_without_convolutions():
+    cpu = jax.devices("cpu")
+
+    class _Gpu:
+        platform = "gpu"
+
+    dense = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    conv = keras.Sequential(
+        [keras.Input((8, 8, 1)), keras.layers.Conv2D(2, 3), keras.layers.Flatten()]
+    )
+
+    class Nested(keras.Model):  # a convolution inside a layer of a subclassed model
+        def __init__(self):
+            super().__init__()
+            self.block = keras.Sequential([keras.layers.SeparableConv1D(2, 3)])
+
+        def call(self, x):
+            return self.block(x)
+
+    assert _steps.steps_fuse(cpu, dense)
+    assert not _steps.steps_fuse(cpu, conv)
+    assert not _steps.steps_fuse(cpu, Nested())
+    assert _steps.steps_fuse([_Gpu()], conv)
