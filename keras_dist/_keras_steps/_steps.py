@@ -317,16 +317,14 @@ class DistributedSteps:
     def _replica_train_steps(self, datas, rows):
         """Keras's ``train_step`` on each batch in turn (``_fused_steps``)."""
         model = self.model
+        global_rows = rows[0]  # (fused batches have one layout: one row count)
 
-        def step(state, data_and_rows):
-            data, global_rows = data_and_rows
+        def step(state, data):
             with counted_by_share(model, batch_rows(data) / global_rows):
                 logs, state = model.train_step(state, data)
             return state, logs
 
-        # (Fused batches have one layout, and so one global row count.)
-        pairs = [(data, rows[0]) for data in datas]
-        logs, new_state = fused_steps(step, step_state(model, "train"), pairs)
+        logs, new_state = fused_steps(step, step_state(model, "train"), datas)
         _write_back(model, "train", new_state)
         return _replicated_logs(custom_logs_averaged(model, "train", logs))
 
@@ -478,9 +476,11 @@ def _concatenate_replicas(extended, value):
 
 
 def _write_back(model, step, new_state):
-    """Writes a step's new state into the variables (a test step's weights are unchanged)."""
-    groups = zip(step_variables(model, step), new_state)
-    for variables, values in groups if step == "train" else list(groups)[1:]:
+    """Writes a step's new state into the variables (``step_state``'s order)."""
+    groups = list(zip(step_variables(model, step), new_state))
+    if step != "train":
+        groups = groups[1:]  # the trainable weights come back as they went in
+    for variables, values in groups:
         _assign(variables, values)
 
 
