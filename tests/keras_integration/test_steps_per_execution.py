@@ -127,3 +127,50 @@ def test_steps_fuse_off_cpu_and_on_cpu_without_convolutions():
     assert not _steps.steps_fuse(cpu, conv)
     assert not _steps.steps_fuse(cpu, Nested())
     assert _steps.steps_fuse([_Gpu()], conv)
+
+
+def _fit_stateful(steps_per_execution):
+    """A model whose step moves every kind of state: batch-norm statistics, dropout's
+    seed, a dynamic loss scale (mixed float16), metrics."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(1)
+        with kd.MirroredStrategy(cpus(2)).scope():
+            model = keras.Sequential(
+                [
+                    keras.Input((6,)),
+                    keras.layers.Dense(8),
+                    keras.layers.BatchNormalization(),
+                    keras.layers.Dropout(0.3, seed=2),
+                    keras.layers.Dense(1, dtype="float32"),
+                ]
+            )
+            model.compile(
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+                "mse",
+                metrics=["mae"],
+                steps_per_execution=steps_per_execution,
+            )
+        rng = np.random.default_rng(3)
+        x = rng.normal(size=(128, 6)).astype("float32")
+        y = x.sum(axis=1, keepdims=True)
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+        return model, history, model.evaluate(x, y, batch_size=16, verbose=0)
+    finally:
+        keras.config.set_dtype_policy("float32")
+
+
+def test_a_loop_of_steps_carries_every_kind_of_state_as_single_steps_do():
+    # Batch-norm statistics are each replica's own and dropout draws per replica, so
+    # the reference is the same strategy one step a call, not one device.
+    single, single_history, single_eval = _fit_stateful(1)
+    looped, looped_history, looped_eval = _fit_stateful(4)
+    # (A step whose scaled gradients overflow is skipped: both skip the same ones.)
+    assert int(looped.optimizer.iterations.value) == int(single.optimizer.iterations.value)
+    for got, want in zip(looped.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(looped.optimizer.variables, single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(got.value), np.asarray(want.value), rtol=1e-5)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(looped_history[key], single_history[key], rtol=1e-5)
+    np.testing.assert_allclose(looped_eval, single_eval, rtol=1e-5)
