@@ -73,7 +73,7 @@ def main():
 
     compile_s, rates, models = {}, {}, {}
     for form in ("loop", "apart", "one step"):
-        _steps.steps_fuse = lambda devices, model, form=form: form == "loop"
+        _steps.steps_fuse = lambda devices, model, data, form=form: form == "loop"
         models[form] = build(strategy, 1 if form == "one step" else steps)
         compile_s[form] = fit(models[form])  # the first call compiles
         rates[form] = []

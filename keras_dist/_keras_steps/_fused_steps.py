@@ -19,8 +19,12 @@ fast as 50 unrolled steps there.
 (3.0, 3.0)
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import keras
+from jax.extend import core as jax_core
 
 from keras_dist._keras import model_layers
 
@@ -40,13 +44,46 @@ class MultiStep:
         return self._replica_steps(datas, rows)
 
 
-def steps_fuse(devices, model) -> bool:
+def steps_fuse(devices, model, data) -> bool:
     """Whether an execution's batches of one layout run as one program (``fused_steps``)
-    on ``devices``: everywhere but for a model with convolutions on CPU."""
+    on ``devices``: everywhere but for a model with convolutions on CPU.
+
+    ``data`` is one of the batches. The convolutions are looked for in the model's
+    forward program on it, so a layer calling ``ops.conv`` itself counts whatever its
+    name; a model that program cannot be traced for is judged by its layers' classes.
+    """
     if devices[0].platform != "cpu":
         return True
-    return not any(
-        "Conv" in cls.__name__ for layer in model_layers(model) for cls in type(layer).__mro__
+    convolves = _forward_convolves(model, data)
+    if convolves is None:
+        convolves = any(
+            "Conv" in cls.__name__ for layer in model_layers(model) for cls in type(layer).__mro__
+        )
+    return not convolves
+
+
+def _forward_convolves(model, data):
+    """Whether ``model``'s forward program on ``data``'s inputs holds a convolution
+    (``None``: it could not be traced, e.g. a custom ``train_step`` reading ``data``
+    in its own way)."""
+    inputs, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    forward = functools.partial(model.stateless_call, training=False)
+    try:
+        program = jax.make_jaxpr(forward)(
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+            inputs,
+        )
+    except Exception:  # noqa: BLE001 - only which form runs depends on it, not the numbers
+        return None
+    return _holds(program.jaxpr, "conv_general_dilated")
+
+
+def _holds(jaxpr, primitive: str) -> bool:
+    """Whether ``jaxpr`` or one nested in it (a ``jit``, ``scan`` or ``cond`` body) calls
+    ``primitive``."""
+    return any(eqn.primitive.name == primitive for eqn in jaxpr.eqns) or any(
+        _holds(inner, primitive) for inner in jax_core.subjaxprs(jaxpr)
     )
 
 

@@ -242,9 +242,9 @@ class DistributedSteps:
         with self._may_run_on():
             return self.strategy.run(fn, args=args)
 
-    def _steps_fuse(self) -> bool:
+    def _steps_fuse(self, data) -> bool:
         if self._fuses is None:
-            self._fuses = steps_fuse(self.strategy.extended.local_devices, self.model)
+            self._fuses = steps_fuse(self.strategy.extended.local_devices, self.model, data)
         return self._fuses
 
     def _runs_eagerly(self) -> bool:
@@ -259,7 +259,7 @@ class DistributedSteps:
     def _loop(self, step, multi_step, iterator):
         batches = self._batches(iterator)
         splits = [None] * len(batches)  # each step splits its own batch
-        if len(batches) > 1 and not self._runs_eagerly() and self._steps_fuse():
+        if len(batches) > 1 and not self._runs_eagerly() and self._steps_fuse(batches[0]):
             # ``steps_per_execution``: the steps of equal, even batches run as one
             # compiled loop, as TF's do (``_fused_steps``).
             splits = [self._split(data) for data in batches]

@@ -37,7 +37,7 @@ def _fit(strategy, steps_per_execution, rows=300, epochs=2):
 @pytest.fixture(params=["loop", "apart"])
 def fused_as(request, monkeypatch):
     """The form of an execution's steps: one loop, or one call each (convolutions on CPU)."""
-    monkeypatch.setattr(_steps, "steps_fuse", lambda devices, model: request.param == "loop")
+    monkeypatch.setattr(_steps, "steps_fuse", lambda devices, model, data: request.param == "loop")
     return request.param
 
 
@@ -104,6 +104,16 @@ def test_a_loop_of_fused_steps_traces_the_step_once():
     assert int(model.optimizer.iterations.value) == 16
 
 
+class _Filter(keras.layers.Layer):
+    """A convolution by ``ops.conv`` in a layer whose name does not say so."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(3, input_shape[-1], 2))
+
+    def call(self, x):
+        return keras.ops.conv(x, self.kernel)
+
+
 def test_steps_fuse_off_cpu_and_on_cpu_without_convolutions():
     cpu = jax.devices("cpu")
 
@@ -123,10 +133,26 @@ def test_steps_fuse_off_cpu_and_on_cpu_without_convolutions():
         def call(self, x):
             return self.block(x)
 
-    assert _steps.steps_fuse(cpu, dense)
-    assert not _steps.steps_fuse(cpu, conv)
-    assert not _steps.steps_fuse(cpu, Nested())
-    assert _steps.steps_fuse([_Gpu()], conv)
+    nested = Nested()
+    nested(np.zeros((1, 8, 3), "float32"))  # (built by a call)
+    filtered = keras.Sequential([keras.Input((8, 3)), _Filter(), keras.layers.Flatten()])
+    images, sequences = np.zeros((4, 8, 8, 1), "float32"), np.zeros((4, 8, 3), "float32")
+    assert _steps.steps_fuse(cpu, dense, (np.zeros((4, 4), "float32"), np.zeros(4)))
+    assert not _steps.steps_fuse(cpu, conv, (images, np.zeros(4)))
+    assert not _steps.steps_fuse(cpu, nested, (sequences,))
+    assert not _steps.steps_fuse(cpu, filtered, (sequences, np.zeros(4)))
+    assert _steps.steps_fuse([_Gpu()], conv, (images,))
+
+
+def test_steps_fuse_by_layer_classes_when_the_forward_program_cannot_be_traced():
+    """A custom ``train_step`` may take batches the model's ``call`` cannot (a dict here):
+    then the layers' classes say whether there are convolutions."""
+    cpu = jax.devices("cpu")
+    conv = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(2, 3)])
+    filtered = keras.Sequential([keras.Input((8, 3)), _Filter()])
+    batch = {"image": np.zeros((4, 8, 8, 1), "float32"), "label": np.zeros(4)}
+    assert not _steps.steps_fuse(cpu, conv, batch)
+    assert _steps.steps_fuse(cpu, filtered, batch)  # (its convolution is not seen)
 
 
 def _fit_stateful(steps_per_execution):
