@@ -39,25 +39,23 @@ from keras_dist._engine._donation import copy_shared_storage
 from keras_dist._engine._donation import copy_stored_arguments
 from keras_dist._engine._donation import keep_placed
 from keras_dist._engine._function_key import key_of
-from keras_dist._engine._function_key import static_key
 from keras_dist._engine._gate import GATE
 from keras_dist._engine._interrupts import interrupts_held
 from keras_dist._engine._lru_programs import ProgramCache
+from keras_dist._engine._program_reuse import ProgramFingerprint
 from keras_dist._engine._repeat_call import RepeatCall
 from keras_dist._engine._repeat_call import StaleEntry
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._engine._state_layout import StateLayout
+from keras_dist._engine._trace_inputs import absorb_discoveries
+from keras_dist._engine._trace_inputs import sort_inputs
 from keras_dist._keras import KerasVariable
 from keras_dist._keras import RecordingScope
-from keras_dist._keras import initialize_pending_variables
 from keras_dist._keras import pending_variables
-from keras_dist._keras import variable_has_value
 from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._replica_context import ReplicaContext
-from keras_dist._values import DistributedValues
 from keras_dist._values import PerReplica
 from keras_dist._values._distributed_values import LARGE_COMPONENT_BYTES
-from keras_dist._values._variables import DistributedVariable
 
 _MAX_TRACES_PER_SIGNATURE = 4
 _CACHE_SIZE = 64
@@ -97,10 +95,13 @@ class _Entry:
     entry is never looked up again.
     """
 
-    def __init__(self, extended, lowered, mirrored, sync_on_read, foreign, record):
+    def __init__(self, extended, lowered, mirrored, sync_on_read, foreign, record, fingerprint):
         self.extended = extended
         self.lowered = lowered  # kept for inspection: tests count collectives in it
         self.compiled = lowered.compile()
+        # To trace again with this program's own variables (``_program_reuse.py``).
+        self.fingerprint = fingerprint
+        self._traced_refs = [[weakref.ref(v) for v in g] for g in (mirrored, sync_on_read, foreign)]
         # Every threaded variable, mirrored ones first, then SyncOnRead, then foreign;
         # within each, the written ones first (``StateLayout``).
         self.layout = layout = record.layout
@@ -111,6 +112,13 @@ class _Entry:
         self.out_treedef, self.out_layout, self.has_sum, self.joined, self.stacked_out = record.out
         self._stored = StoredOutputs()
         self._keeps_placed = True  # (not where variables are stored apart: ``keep_placed``)
+
+    def traced_variables(self) -> list:
+        """The threaded variables as they were traced: ``[mirrored, sync_on_read, foreign]``."""
+        groups = [[r() for r in refs] for refs in self._traced_refs]
+        if any(v is None for group in groups for v in group):
+            raise StaleEntry()
+        return groups
 
     def _variables(self) -> tuple:
         """The threaded variables as ``(mirrored, sync_on_read, foreign)`` lists."""
@@ -216,7 +224,9 @@ class CompiledEngine:
     def run(self, fn, args, kwargs):
         extended = self._extended
         leaves, treedef, (kinds, dynamic, signature, statics) = self._inputs(args, kwargs)
-        function_key, _, key = program_key(fn, treedef, statics, signature, extended, self._foreign)
+        function_key, base, key = program_key(
+            fn, treedef, statics, signature, extended, self._foreign
+        )
         entry = self._cache.get(key)
         if entry is not None:
             try:
@@ -228,7 +238,8 @@ class CompiledEngine:
         self._cache.drop_dead_functions()
         self._retraces.traced(function_key.code, (function_key, tuple(statics), tuple(signature)))
         for _ in range(_MAX_TRACES_PER_SIGNATURE):
-            entry = self._build(fn, treedef, leaves, kinds, dynamic)
+            entry = self._kept(self._cache.newest_of(base), fn, treedef, leaves, kinds, dynamic)
+            entry = entry or self._build(fn, treedef, leaves, kinds, dynamic)
             *_, key = program_key(fn, treedef, statics, signature, extended, self._foreign)
             self._cache.put(key, entry)
             try:
@@ -278,19 +289,8 @@ class CompiledEngine:
             state = extended.variable_state()
             mirrored, sync_on_read = state.mirrored, state.sync_on_read
             foreign = list(self._foreign.values())
-            record = TraceRecord(join_large_outputs=self._joins_large_outputs())
-            body = self.replica_body(
-                fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record
-            )
-            mapped, stacked_out = self.shard_mapped(body, kinds)
-            jitted = jax.jit(mapped, donate_argnums=(0, 1))
-            threaded = (
-                [extended.compute_value(v) for v in mirrored],
-                [v.stored() for v in sync_on_read],
-                [extended.placement.replicate(v.value) for v in foreign],
-            )
-            traced = jitted.trace(*threaded, dynamic)
-            record.out = record.out + (stacked_out,)
+            variables = (mirrored, sync_on_read, foreign)
+            traced, record, threaded = self._trace(fn, treedef, leaves, kinds, dynamic, variables)
             if not self._absorb_discoveries(strategy, record):
                 break
         else:
@@ -301,7 +301,43 @@ class CompiledEngine:
             )
         self.check_assignments(record, mirrored, sync_on_read)
         lowered = record.layout.lower(traced, *threaded, dynamic)
-        return _Entry(extended, lowered, mirrored, sync_on_read, foreign, record)
+        fingerprint = ProgramFingerprint(traced.jaxpr, record.out, record.unchanged)
+        return _Entry(extended, lowered, *variables, record, fingerprint)
+
+    def _trace(self, fn, treedef, leaves, kinds, dynamic, variables):
+        """``fn`` traced threading ``variables`` (mirrored, SyncOnRead, foreign):
+        ``(traced, record, threaded values)``."""
+        extended = self._extended
+        mirrored, sync_on_read, foreign = variables
+        record = TraceRecord(join_large_outputs=self._joins_large_outputs())
+        body = self.replica_body(
+            fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record
+        )
+        mapped, stacked_out = self.shard_mapped(body, kinds)
+        threaded = (
+            [extended.compute_value(v) for v in mirrored],
+            [v.stored() for v in sync_on_read],
+            [extended.placement.replicate(v.value) for v in foreign],
+        )
+        traced = jax.jit(mapped, donate_argnums=(0, 1)).trace(*threaded, dynamic)
+        record.out = record.out + (stacked_out,)
+        return traced, record, threaded
+
+    def _kept(self, entry, fn, treedef, leaves, kinds, dynamic):
+        """``entry`` (built for these inputs before the strategy's variables changed) if
+        ``fn`` traced with its variables is still its program, else ``None``."""
+        if entry is None:
+            return None
+        try:
+            variables = entry.traced_variables()
+        except StaleEntry:
+            return None
+        traced, record, _ = self._trace(fn, treedef, leaves, kinds, dynamic, variables)
+        if record.unmapped or pending_variables():  # (it met other variables: built anew)
+            return None
+        if ProgramFingerprint(traced.jaxpr, record.out, record.unchanged) != entry.fingerprint:
+            return None
+        return entry
 
     def _joins_large_outputs(self) -> bool:
         # On CPU a component cut out of a stacked output is a copy (or a ~0.5 ms
@@ -402,67 +438,6 @@ class CompiledEngine:
                     "write its own copy). Create it inside `with strategy.scope():`. "
                     f"Received: variable={variable!r}"
                 )
-
-
-def sort_inputs(leaves, per_replica, one_value):
-    """Sorts a replica function's flattened inputs into program arguments and constants.
-
-    A ``PerReplica`` leaf becomes ``per_replica(leaf)`` (kind ``"r"``); another
-    distributed value or an array, ``one_value(leaf)`` (kind ``"m"``); anything
-    else is a constant of the trace (kind ``None``). Returns ``(kinds, dynamic,
-    signature, statics)``: the signature (shapes and dtypes) and the statics'
-    keys identify the program.
-    """
-    kinds, dynamic, signature, statics = [], [], [], []
-    for index, leaf in enumerate(leaves):
-        if isinstance(leaf, PerReplica):
-            value, kind = per_replica(leaf), "r"
-        elif isinstance(leaf, (DistributedValues, jax.Array, np.ndarray, np.generic)):
-            value, kind = one_value(leaf), "m"
-        else:
-            kinds.append(None)
-            statics.append((index, static_key(leaf)))
-            continue
-        kinds.append(kind)
-        dynamic.append(value)
-        if isinstance(value, list):  # one array per replica (shapes may differ)
-            signature.append((kind, tuple(_array_signature(x) for x in value)))
-        else:
-            signature.append((kind,) + _array_signature(value))
-    return kinds, dynamic, signature, statics
-
-
-def _array_signature(array) -> tuple:
-    return (array.shape, array.dtype, getattr(array, "weak_type", False))
-
-
-def absorb_discoveries(strategy, unmapped, foreign) -> bool:
-    """Takes in variables a trace met for the first time; True to trace again.
-
-    Variables created during the trace get their first values; ``unmapped``
-    ones (read but not threaded as state) that the strategy did not create are
-    added to ``foreign`` (a ``WeakValueDictionary`` by id), to be threaded.
-    """
-    again = False
-    if pending_variables():
-        with _context.push(_context.Frame(strategy, None)):
-            initialize_pending_variables()
-        again = True
-    for variable in unmapped:
-        if not variable_has_value(variable):
-            continue
-        if isinstance(variable, DistributedVariable):
-            if variable.distribute_strategy is not strategy:
-                raise RuntimeError(
-                    "Mixing different tf.distribute.Strategy objects: variable "
-                    f"{variable.path!r} was created under another strategy and used "
-                    f"in `run` of {type(strategy).__name__}."
-                )
-            again = True  # created after the state was taken
-        elif id(variable) not in foreign:
-            foreign[id(variable)] = variable
-            again = True
-    return again
 
 
 def output_value(x):

@@ -30,28 +30,17 @@ import jax
 import numpy as np
 
 from keras_dist import _context
-from keras_dist._capabilities import MeshRuntime
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._context import InputReadInTrace
-from keras_dist._engine._donation import StoredOutputs
-from keras_dist._engine._donation import copy_shared_buffers
-from keras_dist._engine._donation import copy_stored_arguments
-from keras_dist._engine._donation import keep_placed
 from keras_dist._engine._function_key import FunctionKey
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._function_outputs import flatten_outputs
-from keras_dist._engine._function_outputs import rebuild_outputs
-from keras_dist._engine._function_placement import ProgramPlacement
 from keras_dist._engine._function_placement import for_trace
-from keras_dist._engine._function_state import holding as _holding
-from keras_dist._engine._function_state import is_mirrored
+from keras_dist._engine._function_program import FunctionProgram
 from keras_dist._engine._function_state import keep_sharding
-from keras_dist._engine._function_state import state_access as _state_access
 from keras_dist._engine._function_state import state_value as _state_value
-from keras_dist._engine._gate import GATE
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
-from keras_dist._engine._interrupts import interrupts_held
 from keras_dist._engine._next_element import ReadCounts
 from keras_dist._engine._next_element import ReadsMore
 from keras_dist._engine._next_element import TooManyReads
@@ -59,6 +48,7 @@ from keras_dist._engine._next_element import check_reads
 from keras_dist._engine._next_element import is_argument_leaf
 from keras_dist._engine._next_element import put_back
 from keras_dist._engine._next_element import with_next_elements
+from keras_dist._engine._program_reuse import ProgramFingerprint
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._engine._state_layout import StateLayout
 from keras_dist._input import DistributedIterator
@@ -69,7 +59,6 @@ from keras_dist._keras import pending_variables
 from keras_dist._values import DistributedValues
 from keras_dist._values import Mirrored
 from keras_dist._values import PerReplica
-from keras_dist._values._local_results import local_only
 from keras_dist._values._variables import DistributedVariable
 from keras_dist.config import _switches as _config
 
@@ -87,76 +76,6 @@ _RUNS_AS_PYTHON = (
     jax.errors.ConcretizationTypeError,  # `if x > 0:` on an input
     jax.errors.TracerIntegerConversionError,  # `range(steps)` of an input
 )
-
-
-class _Program:
-    """One compiled program of a ``kd.function``, and the state it threads (weakly)."""
-
-    def __init__(self, lowered, state, extendeds, out_record, layout):
-        self.compiled = compiled = lowered.compile()
-        self.layout = layout  # written variables first: only they are donated and returned
-        self.lowered = lowered  # kept for inspection: tests count collectives in it
-        # Held weakly; a variable's death marks the program stale (no check per call).
-        self._liveness = _Liveness()
-        self._state = [weakref.ref(v, self._liveness.died) for v in state]
-        self.extendeds = extendeds
-        # Calls into the first strategy are serialized (``StrategyExtended.lock``).
-        self.lock = extendeds[0].lock if extendeds else contextlib.nullcontext()
-        # ``cut_to_local``: the outputs hold ``LocalResults`` (only across processes).
-        self.out_treedef, self.out_layout, self.cut_to_local = out_record
-        self.versions = _versions(extendeds)
-        self._mesh = next((e for e in extendeds if isinstance(e, MeshRuntime)), None)
-        # How each variable is read and written back, decided once: a step's host
-        # work is this loop, so it should not ask each variable what it is.
-        self._access = [_state_access(v, extendeds) for v in state]
-        self._held = [_holding(v) for v in state]
-        self._read_only = layout.written(0)  # the variables after these are only read
-        # Only mirrored variables' reads are their stored arrays, placed (``keep_placed``).
-        self._keeps_placed = [
-            i for i in range(self._read_only, len(state)) if is_mirrored(state[i])
-        ]
-        self._stored = StoredOutputs()
-        # Where the program takes its array arguments (after the threaded state).
-        self._placement = ProgramPlacement(compiled.input_shardings[0][-1])
-        shardings = jax.tree_util.tree_leaves(compiled.output_shardings)
-        self._one_device = all(len(s.device_set) == 1 for s in shardings)
-
-    def current(self) -> bool:
-        return self._liveness.alive and self.versions == _versions(self.extendeds)
-
-    def __call__(self, dynamic):
-        state = [r() for r in self._state]
-        values = [held(v) for held, v in zip(self._held, state)]
-        if not self._stored.unchanged(values):  # else the arrays this program's last call left
-            copy_stored_arguments(dynamic, values)
-            values = [read(v) for (read, _), v in zip(self._access, state)]
-            kept = self._keeps_placed
-            if kept and not keep_placed([state[i] for i in kept], [values[i] for i in kept]):
-                self._keeps_placed = []  # stored apart (a central device): they only move
-        copy_shared_buffers(values, dynamic)  # an argument may be a variable's own buffer
-        dynamic = self._placement.of(dynamic)
-        if self._mesh is not None:
-            # As the strategy runs its programs: across processes under the peer
-            # watch, so that a lost worker is named instead of waited on forever.
-            execute = self._mesh.placement.execute
-        else:
-            execute = functools.partial(GATE.call, False)
-        with interrupts_held():  # (the variables' arrays are donated until written again)
-            new_state, outputs = execute(self.compiled, *self.layout.arguments(values, dynamic))
-            for (_, write), variable, value in zip(self._access, state, new_state):
-                write(variable, value)  # (only the written ones came back: the first)
-            self._stored.remember(new_state + values[len(new_state) :])
-        outputs = rebuild_outputs(self.out_treedef, self.out_layout, outputs, self._one_device)
-        return local_only(outputs) if self.cut_to_local else outputs
-
-
-class _Liveness:
-    """Whether every variable of a program is alive (told by their weak references)."""
-
-    alive = True
-
-    def died(self, _reference) -> None:
-        self.alive = False
 
 
 class _BoundFunction:
@@ -192,10 +111,6 @@ def _on_parameter_servers(variable) -> bool:
 
 def _function_of(python_function, options):
     return Function(python_function, **options)
-
-
-def _versions(extendeds) -> tuple:
-    return tuple(e.variable_state().version for e in extendeds)
 
 
 class Function:
@@ -303,7 +218,9 @@ class Function:
         key = (treedef, tuple(statics), tuple(signature))
         program = self._programs.get(key)
         code = self._code
-        if program is not None and program.current():
+        if program is not None and (
+            program.current() or self._still_the_program(program, treedef, leaves, kinds, dynamic)
+        ):
             self._programs.move_to_end(key)
             self._retraces.hit(code)
             return self._locked(program, dynamic)
@@ -393,8 +310,38 @@ class Function:
         self._tracing_count += 1
         layout = StateLayout([self._unchanged])
         lowered = layout.lower(traced, values, [for_trace(x) for x in dynamic])
-        state = layout.ordered(0, state)
-        return _Program(lowered, state, trace.extendeds, self._out_record, layout)
+        fingerprint = ProgramFingerprint(traced.jaxpr, self._out_record, self._unchanged)
+        return FunctionProgram(
+            lowered, state, trace.extendeds, self._out_record, layout, fingerprint
+        )
+
+    def _still_the_program(self, program, treedef, leaves, kinds, dynamic) -> bool:
+        """Whether ``program``, out of date since its strategies' variables changed, is
+        what the function traced with the program's own variables gives; then it is
+        kept (``_program_reuse.py``): no compile for a model or metric created beside."""
+        state = program.traced_state()
+        if state is None:
+            return False
+        trace = FunctionTrace(state, only_state=True)
+        values = [_state_value(v, program.extendeds) for v in state]
+        shardings = [getattr(x, "sharding", None) for x in values]
+        traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)
+        try:
+            traced = jax.jit(traceable, donate_argnums=0).trace(
+                values, [for_trace(x) for x in dynamic]
+            )
+        except (ReadsMore, *_RUNS_AS_PYTHON):
+            _initialize_created(trace)
+            return False  # (the build that follows meets it again, and handles it)
+        if _initialize_created(trace) or trace.created_variables or trace.needed:
+            return False  # it created or read variables the program does not thread
+        if [id(e) for e in trace.extendeds] != [id(e) for e in program.extendeds]:
+            return False
+        fingerprint = ProgramFingerprint(traced.jaxpr, self._out_record, self._unchanged)
+        if fingerprint != program.fingerprint:
+            return False
+        program.keep()
+        return True
 
     def _traceable(self, trace, state, shardings, treedef, leaves, kinds):
         def program(state_values, dynamic_values):

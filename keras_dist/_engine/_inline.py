@@ -28,8 +28,12 @@ from keras_dist._values._variables import SyncOnReadVariable
 class FunctionTrace:
     """What one trace of a ``kd.function`` needs threaded, and the strategies it ran."""
 
-    def __init__(self, state):
+    def __init__(self, state, only_state=False):
         self.state_ids = {id(v) for v in state}
+        # A ``strategy.run`` inside maps every variable of its strategy (the function may
+        # read any); ``only_state`` maps the given ones only, and any other it meets is
+        # needed: the trace that checks a kept program is still the function's.
+        self.only_state = only_state
         self.needed: dict = {}  # id -> variable met but not threaded
         self.extendeds: list = []
         self.scope = None  # the trace's ``FunctionScope``, set when the body runs
@@ -121,6 +125,9 @@ def run_inline(engine, extended, fn, args, kwargs, trace):
             kinds.append(None)
     state = extended.variable_state()
     mirrored, sync_on_read = state.mirrored, state.sync_on_read
+    if trace.only_state:
+        mirrored = [v for v in mirrored if id(v) in trace.state_ids]
+        sync_on_read = [v for v in sync_on_read if id(v) in trace.state_ids]
     trace.need(mirrored + sync_on_read)
     foreign = _threaded_foreign(scope)
     values = (
@@ -132,7 +139,11 @@ def run_inline(engine, extended, fn, args, kwargs, trace):
     body = engine.replica_body(fn, treedef, leaves, kinds, mirrored, sync_on_read, foreign, record)
     mapped, stacked_out = engine.shard_mapped(body, kinds)
     new_mirrored, new_sync_on_read, arrays, sums, replicated = mapped(*values, dynamic)
-    trace.need(v for v in record.unmapped.values() if not isinstance(v, DistributedVariable))
+    trace.need(
+        v
+        for v in record.unmapped.values()
+        if trace.only_state or not isinstance(v, DistributedVariable)
+    )
     threaded = {id(v) for v in mirrored} | {id(v) for v in sync_on_read}
     created = [
         v

@@ -43,5 +43,13 @@ class ProgramCache:
             del self._programs[key]
         self._newest = None
 
+    def newest_of(self, base):
+        """The newest program whose key is ``base`` and two more fields (``program_key``'s
+        strategy variable version and foreign count), or ``None``."""
+        for key in reversed(self._programs):
+            if key[:-2] == base:
+                return self._programs[key]
+        return None
+
     def values(self) -> list:
         return list(self._programs.values())

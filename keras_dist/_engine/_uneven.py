@@ -39,17 +39,17 @@ from jax.extend.core import take_current_trace
 
 from keras_dist import _context
 from keras_dist._engine._compiled import TraceRecord
-from keras_dist._engine._compiled import absorb_discoveries
 from keras_dist._engine._compiled import is_array_like
 from keras_dist._engine._compiled import output_value
 from keras_dist._engine._compiled import program_key
-from keras_dist._engine._compiled import sort_inputs
 from keras_dist._engine._compiled_replica import is_input_leaf
 from keras_dist._engine._eager import EagerEngine
 from keras_dist._engine._eager import EagerReplica
 from keras_dist._engine._eager import on_device
 from keras_dist._engine._lru_programs import ProgramCache
 from keras_dist._engine._retracing import RetraceMonitor
+from keras_dist._engine._trace_inputs import absorb_discoveries
+from keras_dist._engine._trace_inputs import sort_inputs
 from keras_dist._engine._uneven_state import CrossReplica
 from keras_dist._engine._uneven_state import CrossReplicaView
 from keras_dist._keras import RecordingScope
