@@ -35,8 +35,12 @@ def keras_mlp(features, hidden, classes, learning_rate, momentum):
     return model
 
 
-def mlp_train_step(mesh, global_batch, learning_rate, momentum):
-    """``step(params, velocity, x, y) -> (params, velocity, summed_loss)``, compiled, donating."""
+def mlp_train_step(mesh, global_batch, learning_rate, momentum, steps_per_call=1):
+    """``step(params, velocity, x, y) -> (params, velocity, summed_loss)``, compiled, donating.
+
+    With ``steps_per_call=k`` it takes ``k`` stacked batches (``x`` of shape ``(k, batch,
+    ...)``) and runs their steps as one ``lax.scan``, returning the last step's loss.
+    """
 
     def loss_fn(params, x, y):
         k1, b1, k2, b2, k3, b3 = params
@@ -54,11 +58,20 @@ def mlp_train_step(mesh, global_batch, learning_rate, momentum):
         params = [p + v for p, v in zip(params, velocity)]
         return params, velocity, lax.psum(loss, "replica")
 
+    def steps(params, velocity, xs, ys):
+        def body(carry, batch):
+            params, velocity, loss = step(*carry, *batch)
+            return (params, velocity), loss
+
+        (params, velocity), losses = lax.scan(body, (params, velocity), (xs, ys))
+        return params, velocity, losses[-1]
+
+    split = P("replica") if steps_per_call == 1 else P(None, "replica")
     return jax.jit(
         jax.shard_map(
-            step,
+            step if steps_per_call == 1 else steps,
             mesh=mesh,
-            in_specs=(P(), P(), P("replica"), P("replica")),
+            in_specs=(P(), P(), split, split),
             out_specs=(P(), P(), P()),
             check_vma=False,
         ),
