@@ -77,3 +77,21 @@ def mlp_train_step(mesh, global_batch, learning_rate, momentum, steps_per_call=1
         ),
         donate_argnums=(0, 1),
     )
+
+
+def run_steps(compiled, state, batches, split, serialize):
+    """Calls ``compiled`` (``mlp_train_step``'s) on each host ``(x, y)`` of ``batches``,
+    put on the devices with ``split``; ``state`` holds ``"params"`` and ``"velocity"``.
+
+    With ``serialize`` (several CPU devices) each call waits for the one before, as
+    keras_dist's must there (docs/architecture.md, "A jaxlib hazard").
+    """
+    loss = None
+    for x, y in batches:
+        x, y = jax.device_put(x, split), jax.device_put(y, split)
+        if loss is not None and serialize:
+            loss.block_until_ready()
+        state["params"], state["velocity"], loss = compiled(
+            state["params"], state["velocity"], x, y
+        )
+    float(loss)

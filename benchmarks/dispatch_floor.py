@@ -33,6 +33,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from _jit_baseline import mlp_train_step  # noqa: E402
+from _jit_baseline import run_steps  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -53,22 +54,16 @@ def loop(mesh, x, y, steps_per_call):
     }  # fmt: skip
     compiled = mlp_train_step(mesh, args.batch, 0.01, 0.9, steps_per_call)
     serialize = len(mesh.devices.flat) > 1 and jax.devices()[0].platform == "cpu"
-    rows = args.batch * steps_per_call
+    rows, shape = args.batch * steps_per_call, (steps_per_call, args.batch)
+    if steps_per_call == 1:
+        shape = (args.batch,)
 
     def run():
-        loss = None
-        for start in range(0, len(x), rows):
-            xb, yb = x[start : start + rows], y[start : start + rows]
-            if steps_per_call > 1:
-                xb = xb.reshape(steps_per_call, args.batch, FEATURES)
-                yb = yb.reshape(steps_per_call, args.batch)
-            xb, yb = jax.device_put(xb, split), jax.device_put(yb, split)
-            if loss is not None and serialize:
-                loss.block_until_ready()
-            state["params"], state["velocity"], loss = compiled(
-                state["params"], state["velocity"], xb, yb
-            )
-        float(loss)
+        batches = (
+            (x[i : i + rows].reshape(*shape, FEATURES), y[i : i + rows].reshape(shape))
+            for i in range(0, len(x), rows)
+        )
+        run_steps(compiled, state, batches, split, serialize)
 
     return run
 

@@ -41,6 +41,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from _jit_baseline import keras_mlp  # noqa: E402
 from _jit_baseline import mlp_train_step  # noqa: E402
+from _jit_baseline import run_steps  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -76,24 +77,15 @@ def jit_loop(devices, x, y, initial_weights):
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
     state = {
         "params": [jax.device_put(w, replicated) for w in initial_weights],
-        "momentum": [jax.device_put(np.zeros_like(w), replicated) for w in initial_weights],
+        "velocity": [jax.device_put(np.zeros_like(w), replicated) for w in initial_weights],
     }
-    global_batch = args.batch
-
-    compiled = mlp_train_step(mesh, global_batch, LEARNING_RATE, MOMENTUM)
+    batch = args.batch
+    compiled = mlp_train_step(mesh, batch, LEARNING_RATE, MOMENTUM)
     serialize = len(devices) > 1 and devices[0].platform == "cpu"
 
     def run():
-        loss = None
-        for start in range(0, len(x), global_batch):
-            xb = jax.device_put(x[start : start + global_batch], split)
-            yb = jax.device_put(y[start : start + global_batch], split)
-            if loss is not None and serialize:
-                loss.block_until_ready()
-            state["params"], state["momentum"], loss = compiled(
-                state["params"], state["momentum"], xb, yb
-            )
-        float(loss)
+        batches = ((x[i : i + batch], y[i : i + batch]) for i in range(0, len(x), batch))
+        run_steps(compiled, state, batches, split, serialize)
 
     return run
 

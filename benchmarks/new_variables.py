@@ -34,6 +34,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _image_models import image_classifier  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
 
@@ -43,15 +44,7 @@ from keras_dist._engine import CompiledEngine  # noqa: E402
 
 def build(strategy):
     with strategy.scope():
-        if args.model == "cnn":
-            layers = [
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.GlobalAveragePooling2D(),
-            ]
-        else:
-            layers = [keras.layers.Flatten(), keras.layers.Dense(256, activation="relu")]
-        model = keras.Sequential([keras.Input((32, 32, 3)), *layers, keras.layers.Dense(10)])
+        model = image_classifier(args.model)
         model.compile(
             keras.optimizers.Adam(0.001),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -32,6 +32,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _image_models import image_classifier  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
 
@@ -42,15 +43,7 @@ from keras_dist._keras_steps import _steps  # noqa: E402
 def build(strategy, steps_per_execution):
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        if args.model == "cnn":
-            layers = [
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.GlobalAveragePooling2D(),
-            ]
-        else:
-            layers = [keras.layers.Flatten(), keras.layers.Dense(512, activation="relu")]
-        model = keras.Sequential([keras.Input((32, 32, 3)), *layers, keras.layers.Dense(10)])
+        model = image_classifier(args.model)
         model.compile(
             keras.optimizers.SGD(0.01, momentum=0.9),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -278,16 +278,7 @@ class Function:
             trace = FunctionTrace(state)
             if any(_on_parameter_servers(v) for v in state):
                 raise OnParameterServers()  # (runs as Python, as on the coordinator in TF)
-            values = [_state_value(v, extendeds) for v in state]
-            shardings = [getattr(x, "sharding", None) for x in values]
-            traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)
-            try:
-                traced = jax.jit(traceable, donate_argnums=0).trace(
-                    values, [for_trace(x) for x in dynamic]
-                )
-            except (ReadsMore, *_RUNS_AS_PYTHON):
-                _initialize_created(trace)  # the Python that runs (or traces) next uses them
-                raise
+            traced, values = self._trace(trace, state, extendeds, treedef, leaves, kinds, dynamic)
             again = _initialize_created(trace) or trace.created_variables
             if [id(e) for e in trace.extendeds] != [id(e) for e in extendeds]:
                 extendeds, again = trace.extendeds, True  # (values placed for others)
@@ -323,15 +314,11 @@ class Function:
         if state is None:
             return False
         trace = FunctionTrace(state, only_state=True)
-        values = [_state_value(v, program.extendeds) for v in state]
-        shardings = [getattr(x, "sharding", None) for x in values]
-        traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)
         try:
-            traced = jax.jit(traceable, donate_argnums=0).trace(
-                values, [for_trace(x) for x in dynamic]
+            traced, _ = self._trace(
+                trace, state, program.extendeds, treedef, leaves, kinds, dynamic
             )
         except (ReadsMore, *_RUNS_AS_PYTHON):
-            _initialize_created(trace)
             return False  # (the build that follows meets it again, and handles it)
         if _initialize_created(trace) or trace.created_variables or trace.needed:
             return False  # it created or read variables the program does not thread
@@ -342,6 +329,22 @@ class Function:
             return False
         program.keep()
         return True
+
+    def _trace(self, trace, state, extendeds, treedef, leaves, kinds, dynamic):
+        """``(traced, state values)``: the function traced with ``state`` threaded, its
+        values placed for ``extendeds``. A trace that stops (``ReadsMore``, one that runs
+        as Python) first gives the variables it created their values."""
+        values = [_state_value(v, extendeds) for v in state]
+        shardings = [getattr(x, "sharding", None) for x in values]
+        traceable = self._traceable(trace, state, shardings, treedef, leaves, kinds)
+        try:
+            traced = jax.jit(traceable, donate_argnums=0).trace(
+                values, [for_trace(x) for x in dynamic]
+            )
+        except (ReadsMore, *_RUNS_AS_PYTHON):
+            _initialize_created(trace)  # the Python that runs (or traces) next uses them
+            raise
+        return traced, values
 
     def _traceable(self, trace, state, shardings, treedef, leaves, kinds):
         def program(state_values, dynamic_values):

@@ -22,7 +22,13 @@ def _model():
     return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
 
 
-def _train_step(strategy, model, optimizer):
+def _training(optimizer):
+    """A strategy, a model built in it, its training replica function and a batch."""
+    keras.utils.set_random_seed(1)
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        model, optimizer = _model(), optimizer()
+
     def replica_fn(x):
         def loss_fn():
             return kd.nn.compute_average_loss(model(x)[:, 0] ** 2, global_batch_size=8)
@@ -31,35 +37,42 @@ def _train_step(strategy, model, optimizer):
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    return replica_fn
+    x = np.arange(24, dtype="float32").reshape(8, 3) / 24
+    (batch,) = strategy.experimental_distribute_dataset([x])
+    return strategy, model, replica_fn, batch
+
+
+def _build_another_model(strategy):
+    with strategy.scope():
+        other = _model()  # created after the step was compiled
+        keras.metrics.Mean()
+    other.build((None, 3))
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_a_new_model_beside_it_keeps_the_step_and_its_numbers():
-    x = np.arange(24, dtype="float32").reshape(8, 3) / 24
+    def trained(build_another):
+        strategy, model, replica_fn, batch = _training(lambda: keras.optimizers.SGD(0.1))
 
-    def losses(build_another):
-        keras.utils.set_random_seed(1)
-        strategy = kd.MirroredStrategy(cpus(2))
-        with strategy.scope():
-            model, optimizer = _model(), keras.optimizers.SGD(0.1)
-        step = _train_step(strategy, model, optimizer)
-        (batch,) = strategy.experimental_distribute_dataset([x])
-        result = [float(strategy.reduce("SUM", strategy.run(step, args=(batch,)), None))]
+        def step():
+            return float(strategy.reduce("SUM", strategy.run(replica_fn, args=(batch,)), None))
+
+        losses = [step()]
         programs = _programs(strategy)
         if build_another:
-            with strategy.scope():
-                other = _model()  # created after the step was compiled
-                keras.metrics.Mean()
-            other.build((None, 3))
-        result += [float(strategy.reduce("SUM", strategy.run(step, args=(batch,)), None))]
-        return result, _programs(strategy) - programs, model.get_weights()
+            _build_another_model(strategy)
+        losses.append(step())
+        return losses, _programs(strategy) - programs, model.get_weights()
 
-    alone, _, weights_alone = losses(build_another=False)
-    beside, new_programs, weights_beside = losses(build_another=True)
+    alone, _, weights_alone = trained(build_another=False)
+    beside, new_programs, weights_beside = trained(build_another=True)
     assert new_programs == set()  # the step's program and the reduction's were kept
-    np.testing.assert_allclose(beside, alone, rtol=1e-6)
-    for got, want in zip(weights_beside, weights_alone):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    _assert_same(beside, alone)
+    _assert_same(weights_beside, weights_alone)
 
 
 def test_a_step_that_now_reads_a_new_variable_is_built_again():
@@ -126,39 +139,29 @@ def test_fit_after_another_model_was_built_compiles_nothing():
     alone, _, weights_alone = fitted(build_another=False)
     beside, new_programs, weights_beside = fitted(build_another=True)
     assert new_programs == set()
-    np.testing.assert_allclose(beside["loss"], alone["loss"], rtol=1e-6)
-    for got, want in zip(weights_beside, weights_alone):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    _assert_same(beside["loss"], alone["loss"])
+    _assert_same(weights_beside, weights_alone)
 
 
 def test_a_kd_function_step_is_kept_when_a_model_is_built_beside_it():
-    x = np.arange(24, dtype="float32").reshape(8, 3) / 24
-
-    def losses(build_another):
-        keras.utils.set_random_seed(3)
-        strategy = kd.MirroredStrategy(cpus(2))
-        with strategy.scope():
-            model, optimizer = _model(), keras.optimizers.Adam(0.01)
-        replica_fn = _train_step(strategy, model, optimizer)
+    def trained(build_another):
+        strategy, model, replica_fn, batch = _training(lambda: keras.optimizers.Adam(0.01))
 
         @kd.function
         def step(batch):
             return strategy.reduce("SUM", strategy.run(replica_fn, args=(batch,)), None)
 
-        (batch,) = strategy.experimental_distribute_dataset([x])
-        result = [float(step(batch)), float(step(batch))]
+        losses = [float(step(batch)), float(step(batch))]
         if build_another:
-            with strategy.scope():
-                _model().build((None, 3))
-        result += [float(step(batch)), float(step(batch))]
-        return result, step.experimental_get_tracing_count(), model.get_weights()
+            _build_another_model(strategy)
+        losses += [float(step(batch)), float(step(batch))]
+        return losses, step.experimental_get_tracing_count(), model.get_weights()
 
-    alone, _, weights_alone = losses(build_another=False)
-    beside, programs_built, weights_beside = losses(build_another=True)
+    alone, _, weights_alone = trained(build_another=False)
+    beside, programs_built, weights_beside = trained(build_another=True)
     assert programs_built == 1
-    np.testing.assert_allclose(beside, alone, rtol=1e-6)
-    for got, want in zip(weights_beside, weights_alone):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    _assert_same(beside, alone)
+    _assert_same(weights_beside, weights_alone)
 
 
 def test_a_kd_function_that_now_reads_a_new_variable_is_built_again():
