@@ -333,8 +333,9 @@ class CompiledEngine:
         except StaleEntry:
             return None
         traced, record, _ = self._trace(fn, treedef, leaves, kinds, dynamic, variables)
-        if record.unmapped or pending_variables():  # (it met other variables: built anew)
-            return None
+        threaded = {id(v) for group in variables for v in group}
+        if record.unmapped or pending_variables() or not threaded.issuperset(record.assigned):
+            return None  # it read, created or wrote variables the program does not thread
         if ProgramFingerprint(traced.jaxpr, record.out, record.unchanged) != entry.fingerprint:
             return None
         return entry

@@ -95,6 +95,22 @@ def test_a_step_that_now_reads_a_new_variable_is_built_again():
     assert _programs(strategy) - programs  # built anew, not kept
 
 
+def test_a_step_that_now_writes_a_new_variable_is_built_again():
+    strategy = kd.MirroredStrategy(cpus(2))
+    holder = [None]
+
+    def replica_fn():
+        if holder[0] is not None:
+            holder[0].assign(5.0)  # a write that reads nothing
+        return 1.0
+
+    strategy.run(replica_fn)  # writes nothing
+    with strategy.scope():
+        holder[0] = keras.Variable(0.0)
+    strategy.run(replica_fn)
+    assert float(holder[0].numpy()) == 5.0  # the write is kept: a program was built for it
+
+
 def test_a_step_closing_over_a_changed_array_is_built_again():
     # Traced again after a variable was created, the step finds the array it closes
     # over changed in place: another constant, another program.
