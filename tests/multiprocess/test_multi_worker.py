@@ -491,6 +491,44 @@ def test_fit_on_two_workers_equals_one_device_and_checkpoints_once(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["train"]
 
 
+def _fit_beside_another_model_worker():
+    strategy = kd.MultiWorkerMirroredStrategy()
+    import keras
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = _tiny_model()
+    initial = _flat(model.get_weights())
+    x, y = _regression_data(64)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    with strategy.scope():
+        other = _tiny_model()  # variables created after `model`'s steps were compiled
+    other.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    programs = {id(entry) for entry in strategy.extended._compiled._cache.values()}
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    after = {id(entry) for entry in strategy.extended._compiled._cache.values()}
+    return {
+        "initial": initial,
+        "final": _flat(model.get_weights()),
+        "loss": history.history["loss"],
+        "new_programs": len(after - programs),
+    }
+
+
+def test_fit_after_another_model_on_two_workers_keeps_its_programs_and_numbers():
+    chief, worker = _launch(_fit_beside_another_model_worker)
+    assert chief["new_programs"] == worker["new_programs"] == 0
+    np.testing.assert_array_equal(chief["final"], worker["final"])
+    model = _tiny_model()  # one device, from the same first weights, two epochs
+    shapes = [w.shape for w in model.get_weights()]
+    split = np.split(chief["initial"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+    x, y = _regression_data(64)
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(chief["final"], _flat(model.get_weights()), atol=1e-5)
+    np.testing.assert_allclose(chief["loss"], history.history["loss"][1:], rtol=1e-5)
+
+
 def _endless_batches(rows):
     """A generator of ``rows``-row batches cycling through 64 regression rows (TF's repeat)."""
     x, y = _regression_data(64)
