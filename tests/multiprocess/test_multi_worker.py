@@ -412,6 +412,15 @@ def _tiny_model():
     return model
 
 
+def _tiny_model_from(flat_weights):
+    """``_tiny_model`` on one device with the weights ``_flat`` gave ``flat_weights``."""
+    model = _tiny_model()
+    shapes = [w.shape for w in model.get_weights()]
+    split = np.split(flat_weights, np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+    return model
+
+
 def _regression_data(rows):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, 3)).astype("float32")
@@ -469,10 +478,7 @@ def test_fit_on_two_workers_equals_one_device_and_checkpoints_once(tmp_path):
     np.testing.assert_array_equal(chief["initial"], worker["initial"])
     np.testing.assert_array_equal(chief["final"], worker["final"])
     # One device from the same first weights on the same global batches (spec 82's harness).
-    model = _tiny_model()
-    shapes = [w.shape for w in model.get_weights()]
-    split = np.split(chief["initial"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
-    model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+    model = _tiny_model_from(chief["initial"])
     x, y = _regression_data(69)
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(chief["final"], _flat(model.get_weights()), atol=1e-5)
@@ -519,10 +525,7 @@ def test_fit_after_another_model_on_two_workers_keeps_its_programs_and_numbers()
     chief, worker = _launch(_fit_beside_another_model_worker)
     assert chief["new_programs"] == worker["new_programs"] == 0
     np.testing.assert_array_equal(chief["final"], worker["final"])
-    model = _tiny_model()  # one device, from the same first weights, two epochs
-    shapes = [w.shape for w in model.get_weights()]
-    split = np.split(chief["initial"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
-    model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+    model = _tiny_model_from(chief["initial"])  # one device, the same first weights
     x, y = _regression_data(64)
     history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(chief["final"], _flat(model.get_weights()), atol=1e-5)
@@ -588,10 +591,7 @@ def test_fit_takes_auto_shard_policies_and_off_has_every_worker_read_all():
     chief, worker = _launch(_fit_with_policies_worker)
     np.testing.assert_array_equal(chief["OFF"][1], worker["OFF"][1])
     for policy, rows in (("OFF", 8), ("DATA", 16)):
-        model = _tiny_model()
-        shapes = [w.shape for w in model.get_weights()]
-        split = np.split(chief["initial"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
-        model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+        model = _tiny_model_from(chief["initial"])
         history = model.fit(_endless_batches(rows), epochs=2, steps_per_epoch=3, verbose=0)
         np.testing.assert_allclose(chief[policy][0], history.history["loss"], rtol=1e-5)
         np.testing.assert_allclose(chief[policy][1], _flat(model.get_weights()), atol=1e-5)
@@ -599,8 +599,7 @@ def test_fit_takes_auto_shard_policies_and_off_has_every_worker_read_all():
     # A finite PyDataset under OFF with a full pass an epoch: every epoch trains its 8
     # steps (the second used to find the data used up and log a loss of 0.0), as one
     # device does on the 8 batches of 8 rows each epoch.
-    model = _tiny_model()
-    model.set_weights([w.reshape(s) for w, s in zip(split, shapes)])
+    model = _tiny_model_from(chief["initial"])
     history = model.fit(_batches_of(8), epochs=3, shuffle=False, verbose=0)
     losses, weights = chief["OFF of a PyDataset"]
     np.testing.assert_allclose(losses, history.history["loss"], rtol=1e-5)
