@@ -22,10 +22,10 @@ repeats, higher is better for keras_dist), with the platform and device count.
 
 import argparse
 import statistics
-import time
 
 from _platform import has_accelerator
 from _platform import simulate_cpu_devices
+from _timing import steps_per_second
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--size", choices=("small", "large"), default=None)
@@ -60,17 +60,11 @@ def median_ratio(ours, baseline, unit_steps):
     baseline()  # compile and warm up
     rates, ratios = ([], []), []
     for _ in range(args.repeats):
-        a, b = _rate(ours, unit_steps), _rate(baseline, unit_steps)
+        a, b = steps_per_second(ours, unit_steps), steps_per_second(baseline, unit_steps)
         rates[0].append(a)
         rates[1].append(b)
         ratios.append(a / b)
     return statistics.median(rates[0]), statistics.median(rates[1]), statistics.median(ratios)
-
-
-def _rate(run, steps):
-    start = time.perf_counter()
-    run()
-    return steps / (time.perf_counter() - start)
 
 
 def fit_runner(build, x, y, batch, strategy):

@@ -16,9 +16,9 @@ Prints one line: both rates and their ratio (median of the rounds' ratios).
 import argparse
 import os
 import statistics
-import time
 
 from _platform import simulate_cpu_devices
+from _timing import steps_per_second
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--devices", type=int, default=4)
@@ -68,12 +68,6 @@ def loop(mesh, x, y, steps_per_call):
     return run
 
 
-def rate(run, steps):
-    start = time.perf_counter()
-    run()
-    return steps / (time.perf_counter() - start)
-
-
 def main():
     k = args.steps_per_call
     steps = args.steps // k * k
@@ -85,8 +79,8 @@ def main():
     one(), many()  # compile
     ones, manys = [], []
     for _ in range(args.repeats):
-        ones.append(rate(one, steps))
-        manys.append(rate(many, steps))
+        ones.append(steps_per_second(one, steps))
+        manys.append(steps_per_second(many, steps))
     ratio = statistics.median(m / o for m, o in zip(manys, ones))
     print(
         f"dispatch_floor: hand-written jax.jit step {statistics.median(manys):.0f} steps/s "

@@ -21,9 +21,9 @@ stay one step per call.
 import argparse
 import os
 import statistics
-import time
 
 from _platform import simulate_cpu_devices
+from _timing import steps_per_second
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--devices", type=int, default=4)
@@ -90,12 +90,6 @@ def jit_loop(devices, x, y, initial_weights):
     return run
 
 
-def rate(run, steps):
-    start = time.perf_counter()
-    run()
-    return steps / (time.perf_counter() - start)
-
-
 def main():
     rng = np.random.default_rng(0)
     rows = args.batch * args.steps
@@ -113,8 +107,8 @@ def main():
 
     ratios_a, ratios_b, rates = [], [], {k: [] for k in ("ours", "jit", "one", "plain")}
     for _ in range(args.repeats):
-        a, b = rate(ours, args.steps), rate(baseline, args.steps)
-        c, d = rate(one_device, args.steps), rate(plain, args.steps)
+        a, b = steps_per_second(ours, args.steps), steps_per_second(baseline, args.steps)
+        c, d = steps_per_second(one_device, args.steps), steps_per_second(plain, args.steps)
         ratios_a.append(a / b)
         ratios_b.append(c / d)
         for key, value in zip(rates, (a, b, c, d)):
