@@ -19,6 +19,7 @@ from keras_dist._capabilities import MeshRuntime
 from keras_dist._context import current_function_trace
 from keras_dist._context import refuse_input_read_in_trace
 from keras_dist._context import running_replica_context
+from keras_dist._input._host_arrays import to_host_arrays
 from keras_dist._input._options import InputContext
 from keras_dist._input._options import InputOptions
 from keras_dist._input._options import InputReplicationMode
@@ -205,10 +206,9 @@ class DistributedDataset:
         _check_not_arrays(dataset)
         _check_iterable(dataset)
         extended = strategy.extended
-        if not isinstance(
-            extended, MeshRuntime
-        ):  # no mesh: batches go to the one replica as they are
-            return cls(lambda: _passes(dataset).__next__, dataset)
+        if not isinstance(extended, MeshRuntime):
+            # No mesh: batches go to the one replica as they are, as host arrays.
+            return cls(lambda: _host_passes(dataset).__next__, dataset)
         if extended.spans_processes and policy_of(dataset) is AutoShardPolicy.FILE:
             raise ValueError(
                 "AutoShardPolicy.FILE gives each worker its own files, in the pipelines of "
@@ -243,7 +243,7 @@ class DistributedDataset:
         if not isinstance(extended, MeshRuntime):
             dataset = dataset_fn(InputContext(1, 0, n))
             _check_iterable(dataset)
-            return cls(lambda: _passes(dataset).__next__, dataset)
+            return cls(lambda: _host_passes(dataset).__next__, dataset)
         first = extended.first_local_replica_id
         local = range(first, first + extended.num_local_replicas)
         if per_replica:
@@ -361,6 +361,12 @@ def _passes(dataset):
     return one_pass()
 
 
+def _host_passes(dataset):
+    """One pass of ``dataset`` with TensorFlow values as NumPy arrays, which the mesh
+    strategies' split makes of them too (a ``tf.data`` batch on the default strategy)."""
+    return map(to_host_arrays, _passes(dataset))
+
+
 def _whole_for_one_replica(strategy):
     """What makes a step's element as TF gives it: with one replica in sync, the batch
     itself (``x.shape``, ``x * 2`` and ``float(x)`` work on it), not a ``PerReplica``."""
@@ -381,7 +387,9 @@ def _spec_of(value):
     def spec(x):
         if isinstance(x, PerReplica):
             x = x.values[0]
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+        # A leaf given as it is (the default strategy's) may be a Python number.
+        dtype = x.dtype if isinstance(x, (np.ndarray, jax.Array)) else np.asarray(x).dtype
+        return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
     return jax.tree_util.tree_map(spec, value, is_leaf=lambda x: isinstance(x, PerReplica))
 

@@ -123,6 +123,29 @@ def test_distribute_dataset_accepts_keras_and_grain_datasets(source):
         assert steps == 6, epoch
 
 
+@pytest.mark.parametrize("source", ["pydataset", "grain_map", "grain_iter", "numpy"])
+@pytest.mark.parametrize("strategy_name", ["default", "one_device"])
+def test_one_replica_strategies_read_every_source_in_both_methods(strategy_name, source):
+    strategy = {"default": kd.get_strategy, "one_device": lambda: kd.OneDeviceStrategy("/cpu:0")}[
+        strategy_name
+    ]()
+    dataset = {
+        "pydataset": _Batches,
+        "grain_map": _grain_batches,
+        "grain_iter": lambda: _grain_batches().to_iter_dataset(),
+        "numpy": lambda: strategy.experimental_make_numpy_dataset((X, Y)).batch(16),
+    }[source]()
+    for distributed in (
+        strategy.experimental_distribute_dataset(dataset),
+        strategy.distribute_datasets_from_function(lambda ctx: dataset),
+    ):
+        steps = [np.asarray(strategy.run(lambda x, y: x * y, args=xy)) for xy in distributed]
+        assert len(steps) == 6
+        for step, got in enumerate(steps):
+            rows = slice(step * 16, (step + 1) * 16)
+            np.testing.assert_array_equal(got, X[rows] * Y[rows])
+
+
 def test_fetch_to_device_false_reads_each_batch_when_needed():
     strategy = kd.MirroredStrategy(cpus(2))
     reads = []

@@ -102,6 +102,44 @@ def test_batches_of_tensors_are_split_like_arrays():
     assert sizes == [[2, 2, 2, 2], [1, 1, 0, 0]]
 
 
+_ONE_REPLICA = {
+    "default": kd.get_strategy,
+    "one_device": lambda: kd.OneDeviceStrategy("/cpu:0"),
+    "mirrored_one_device": lambda: kd.MirroredStrategy(cpus(1)),
+}
+
+
+def _one_replica_epochs(strategy, dataset):
+    """Each step's ``strategy.run`` result through both distribution methods, as NumPy."""
+
+    def step(x, y):
+        return x * 2.0 + y
+
+    def epoch(distributed):
+        assert distributed.element_spec is not None
+        return [np.asarray(strategy.run(step, args=element)) for element in distributed]
+
+    return (
+        epoch(strategy.experimental_distribute_dataset(dataset)),
+        epoch(strategy.distribute_datasets_from_function(lambda ctx: dataset)),
+    )
+
+
+@pytest.mark.parametrize("name", list(_ONE_REPLICA))
+def test_batches_of_tensors_reach_a_one_replica_strategy_as_arrays(name):
+    # The default strategy handed tf.data batches on as they were: their dtype
+    # (tf.float32) was no NumPy dtype, and its `element_spec` raised.
+    x = np.arange(12, dtype="float32").reshape(6, 2)
+    y = np.ones((6, 1), "float32")
+    batches = [(FakeTensor(x[:4]), FakeTensor(y[:4])), (FakeTensor(x[4:]), FakeTensor(y[4:]))]
+    expected = [x[:4] * 2.0 + y[:4], x[4:] * 2.0 + y[4:]]  # one device, no strategy
+    strategy = _ONE_REPLICA[name]()
+    for steps in _one_replica_epochs(strategy, batches):
+        assert len(steps) == 2
+        for got, want in zip(steps, expected):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_auto_shard_reads_a_tf_data_option():
     rows = list(range(8))
     whole = kd.data.auto_shard(FakeTFDataset(rows, "OFF"), num_shards=2, index=1)
@@ -176,3 +214,17 @@ def test_tf_data_static_shapes_in_datasets_from_function_with_tensorflow(drop_re
     assert [[int(v) for v in strategy.experimental_local_results(x)] for x in scalars] == [
         [0, 1, 2, 3]
     ]
+
+
+@pytest.mark.parametrize("name", list(_ONE_REPLICA))
+def test_tf_data_on_a_one_replica_strategy_with_tensorflow(name):
+    tf = pytest.importorskip("tensorflow")
+    x = np.arange(12, dtype="float32").reshape(6, 2)
+    y = np.ones((6, 1), "float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    expected = [(bx * 2.0 + by).numpy() for bx, by in dataset]  # TF's own values
+    strategy = _ONE_REPLICA[name]()
+    for steps in _one_replica_epochs(strategy, dataset):
+        assert len(steps) == 2
+        for got, want in zip(steps, expected):
+            np.testing.assert_array_equal(got, want)
