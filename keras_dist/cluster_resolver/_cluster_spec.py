@@ -2,8 +2,32 @@
 
 Follows ``tf.train.ClusterSpec``: a job is a list of addresses (task ``i`` at
 position ``i``) or a sparse dict ``{index: address}``. ``{0: h}`` and ``[h]``
-describe the same job, so they compare equal.
+describe the same job, so they compare equal. A ``tf.train.ClusterSpec`` is taken
+wherever a cluster is (TF's tutorials build one): it is recognised by its
+methods, without importing TensorFlow, and read through its ``as_dict()``.
 """
+
+
+def is_foreign_cluster_spec(cluster) -> bool:
+    """Whether ``cluster`` is another library's cluster spec (``tf.train.ClusterSpec``).
+
+    Recognised by what TF's class offers (``as_dict``, ``as_cluster_def``, ``jobs``),
+    so that keras_dist never imports TensorFlow to check.
+    """
+    if isinstance(cluster, (dict, ClusterSpec)):
+        return False
+    kind = type(cluster)
+    return (
+        callable(getattr(kind, "as_dict", None))
+        and callable(getattr(kind, "as_cluster_def", None))
+        and hasattr(kind, "jobs")
+    )
+
+
+def is_cluster(cluster) -> bool:
+    """Whether ``ClusterSpec(cluster)`` takes ``cluster``'s type: a dict, a ``ClusterSpec``
+    of keras_dist's or a ``tf.train.ClusterSpec``."""
+    return isinstance(cluster, (dict, ClusterSpec)) or is_foreign_cluster_spec(cluster)
 
 
 class ClusterSpec:
@@ -22,15 +46,19 @@ class ClusterSpec:
     True
     >>> bool(ClusterSpec({}))
     False
+
+    A ``tf.train.ClusterSpec`` (or a spec of this class) gives the same jobs:
+    ``ClusterSpec(tf.train.ClusterSpec({"worker": ["w0:2222"]}))``.
     """
 
     def __init__(self, cluster):
-        if isinstance(cluster, ClusterSpec):
+        if isinstance(cluster, ClusterSpec) or is_foreign_cluster_spec(cluster):
             cluster = cluster.as_dict()
         if not isinstance(cluster, dict):
             raise TypeError(
                 "`cluster` must be a dict mapping job names to lists of addresses or to "
-                f"dicts {{task_index: address}}. Received: cluster={cluster!r}"
+                "dicts {task_index: address}, a `ClusterSpec` or a `tf.train.ClusterSpec`. "
+                f"Received: cluster={cluster!r} of type {type(cluster).__name__}"
             )
         self._cluster = {}
         for job, tasks in cluster.items():
@@ -49,7 +77,7 @@ class ClusterSpec:
         return bool(self._cluster)
 
     def __eq__(self, other):
-        if isinstance(other, dict):
+        if isinstance(other, dict) or is_foreign_cluster_spec(other):
             other = ClusterSpec(other)
         if not isinstance(other, ClusterSpec):
             return NotImplemented

@@ -9,6 +9,7 @@ import os
 import shutil
 
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
+from keras_dist.cluster_resolver._cluster_spec import is_cluster
 
 _ALLOWED_TASK_TYPES = ("chief", "worker", "evaluator", "ps", None)
 
@@ -16,10 +17,10 @@ _ALLOWED_TASK_TYPES = ("chief", "worker", "evaluator", "ps", None)
 def _normalize(cluster_spec):
     if cluster_spec is None:
         return ClusterSpec({})
-    if isinstance(cluster_spec, (dict, ClusterSpec)):
+    if is_cluster(cluster_spec):
         return ClusterSpec(cluster_spec)
     raise ValueError(
-        "`cluster_spec` should be a dict or a `ClusterSpec`. "
+        "`cluster_spec` should be a dict, a `ClusterSpec` or a `tf.train.ClusterSpec`. "
         f"Received: cluster_spec={cluster_spec!r}"
     )
 

@@ -288,6 +288,60 @@ def test_cluster_spec_rejects_bad_input():
         cr.ClusterSpec({"worker": "h:1"})
 
 
+class _ForeignClusterSpec:
+    """What keras_dist reads of a ``tf.train.ClusterSpec``: its methods and ``jobs``."""
+
+    def __init__(self, cluster):
+        self._cluster = cluster
+
+    @property
+    def jobs(self):
+        return list(self._cluster)
+
+    def as_dict(self):
+        return self._cluster
+
+    def as_cluster_def(self):
+        raise AssertionError("keras_dist reads a foreign cluster spec through as_dict()")
+
+
+def _takes_a_foreign_cluster_spec(foreign, expected):
+    spec = cr.ClusterSpec(foreign)
+    assert spec.as_dict() == expected
+    assert spec == foreign
+    resolver = cr.SimpleClusterResolver(foreign, task_type="worker", task_id=1)
+    assert resolver.cluster_spec() == cr.ClusterSpec(expected)
+    assert resolver.master("worker", 1, rpc_layer="grpc") == "grpc://worker1:2222"
+    assert cr.worker_count(foreign, task_type="worker") == 2
+    assert not cr.is_chief(foreign, "worker", 1)
+
+
+def test_a_cluster_spec_of_tensorflows_shape_is_taken_wherever_a_cluster_is():
+    cluster = {"worker": ["worker0:2222", "worker1:2222"], "ps": {0: "ps0:2222", 2: "ps2:2222"}}
+    _takes_a_foreign_cluster_spec(_ForeignClusterSpec(cluster), cluster)
+
+
+def test_a_tf_train_cluster_spec_is_taken_wherever_a_cluster_is():
+    tf = pytest.importorskip("tensorflow")  # optional: the real class behind the stand-in
+    cluster = {"worker": ["worker0:2222", "worker1:2222"], "ps": {0: "ps0:2222", 2: "ps2:2222"}}
+    _takes_a_foreign_cluster_spec(tf.train.ClusterSpec(cluster), cluster)
+
+
+def test_something_else_than_a_cluster_says_what_to_pass():
+    class OnlyAsDict:  # not a cluster spec: it lacks as_cluster_def and jobs
+        def as_dict(self):
+            return {"worker": ["w:1"]}
+
+    with pytest.raises(
+        TypeError, match=r"or a `tf.train.ClusterSpec`\. Received: cluster=.* of type OnlyAsDict"
+    ):
+        cr.ClusterSpec(OnlyAsDict())
+    with pytest.raises(TypeError, match="Received: cluster=.* of type OnlyAsDict"):
+        cr.SimpleClusterResolver(OnlyAsDict())
+    with pytest.raises(ValueError, match="or a `tf.train.ClusterSpec`. Received: cluster_spec="):
+        cr.is_chief(OnlyAsDict(), "worker", 0)
+
+
 # Slurm, Kubeflow, Keras and resolve_cluster (docs/architecture.md, "Several processes")
 
 

@@ -187,6 +187,44 @@ def test_servers_listen_only_on_the_spec_address():
         server.stop()
 
 
+class _ForeignClusterSpec:
+    """A ``tf.train.ClusterSpec`` as keras_dist sees one (``jobs``, ``as_dict``, ...)."""
+
+    def __init__(self, cluster):
+        self._cluster = cluster
+
+    @property
+    def jobs(self):
+        return list(self._cluster)
+
+    def as_dict(self):
+        return self._cluster
+
+    def as_cluster_def(self):
+        raise AssertionError("keras_dist reads a foreign cluster spec through as_dict()")
+
+
+@pytest.mark.parametrize("source", ["stand-in", "tensorflow"])
+def test_a_server_takes_a_tf_train_cluster_spec(source):
+    # TF's parameter-server tutorial starts its in-process servers this way.
+    cluster = _cluster(num_workers=2)
+    if source == "tensorflow":
+        spec = pytest.importorskip("tensorflow").train.ClusterSpec(cluster)
+    else:
+        spec = _ForeignClusterSpec(cluster)
+    servers = [kd.Server(spec, job_name="worker", task_index=1), kd.Server(spec, "ps", 0)]
+    try:
+        assert servers[0].cluster_spec == ClusterSpec(cluster)
+        assert servers[0].target == f"grpc://{cluster['worker'][1]}"
+        client = ParameterServers(ClusterSpec(cluster))
+        location = Location((Shard(0, "v", None),), (3,), "float32")
+        client.create(location, np.arange(3.0, dtype="float32"))
+        np.testing.assert_array_equal(client.read([location])[0], [0.0, 1.0, 2.0])
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def test_store_updates_are_atomic_per_request():
     cluster = _cluster()
     server = kd.Server(cluster, job_name="ps", task_index=0)
