@@ -17,6 +17,7 @@ from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._input import InputContext
+from keras_dist._input._host_arrays import to_host_arrays
 
 
 def _takes_context(dataset_fn) -> bool:
@@ -142,7 +143,9 @@ class DatasetCreator(keras.utils.PyDataset):
         mesh = isinstance(extended, MeshRuntime)
         replicas = extended.num_local_replicas if mesh else 1
         with self._reading:
-            pieces = [self._next_element(strategy) for _ in range(replicas)]
+            # TensorFlow values (a tf.data pipeline's) as NumPy: Keras takes a bare array
+            # as ``(x,)``, not a bare ``tf.Tensor``.
+            pieces = [to_host_arrays(self._next_element(strategy)) for _ in range(replicas)]
         if replicas == 1 and not (mesh and extended.spans_processes):
             return pieces[0]
         return jax.tree_util.tree_map(lambda *leaves: _global_rows(extended, leaves), *pieces)

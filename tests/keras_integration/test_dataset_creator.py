@@ -83,3 +83,82 @@ def test_each_replica_reads_its_own_element_as_in_tf():
     np.testing.assert_allclose(
         history.history["loss"], [h.history["loss"][0] for h in expected], rtol=1e-5
     )
+
+
+class _TensorStandIn:
+    """Looks like a ``tf.Tensor`` to keras_dist and Keras: TF's module, ``__array__``, and a
+    dtype NumPy cannot read (``tf.float32``)."""
+
+    __module__ = "tensorflow.python.framework.ops"
+    dtype = object()
+
+    def __init__(self, value):
+        self._value = np.asarray(value)
+
+    def __array__(self, dtype=None, copy=None):
+        return self._value if dtype is None else self._value.astype(dtype)
+
+
+X = np.random.default_rng(7).normal(size=(16, 3)).astype("float32")
+Y = X.sum(axis=1, keepdims=True) * 0.5
+
+
+def _tensor_pipeline(with_targets, tensor=_TensorStandIn):
+    """A ``dataset_fn`` whose elements are tensors: the replica's rows of each global batch
+    of 8, in order, so the replicas' elements joined are ``X``'s batches of 8."""
+
+    def dataset_fn(input_context):
+        batch = input_context.get_per_replica_batch_size(8)
+        for start in range(0, len(X), batch):
+            rows = slice(start, start + batch)
+            yield (tensor(X[rows]), tensor(Y[rows])) if with_targets else tensor(X[rows])
+
+    return dataset_fn
+
+
+def _tf_pipeline(with_targets):
+    tf = pytest.importorskip("tensorflow")
+
+    def dataset_fn(input_context):
+        batch = input_context.get_per_replica_batch_size(8)
+        data = (X, Y) if with_targets else X
+        return tf.data.Dataset.from_tensor_slices(data).batch(batch)
+
+    return dataset_fn
+
+
+_CREATOR_STRATEGIES = {
+    "default": kd.get_strategy,
+    "one_device": lambda: kd.OneDeviceStrategy("/cpu:0"),
+    "mirrored": lambda: kd.MirroredStrategy(cpus(2)),
+    "central_storage": lambda: kd.experimental.CentralStorageStrategy(cpus(2)),
+}
+
+
+@pytest.mark.parametrize("pipeline", ["stand_in", "tensorflow"])
+@pytest.mark.parametrize("strategy_name", list(_CREATOR_STRATEGIES))
+def test_tensor_pipelines_in_fit_evaluate_predict_equal_plain_keras(strategy_name, pipeline):
+    # The default and one-device strategies handed Keras a step's bare tf.Tensor, which
+    # its PyDataset adapter refuses ("must return a tuple or a dict").
+    make = _tensor_pipeline if pipeline == "stand_in" else _tf_pipeline
+    keras.utils.set_random_seed(5)
+    reference = _model(kd.get_strategy())
+    first = reference.get_weights()
+    want_predictions = reference.predict(X, batch_size=8, verbose=0)
+    want_evaluation = reference.evaluate(X, Y, batch_size=8, verbose=0)
+    want_history = reference.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    model = _model(_CREATOR_STRATEGIES[strategy_name]())
+    model.set_weights(first)
+    predictions = model.predict(
+        kd.experimental.DatasetCreator(make(with_targets=False)), steps=2, verbose=0
+    )
+    np.testing.assert_allclose(predictions, want_predictions, rtol=1e-6)
+    creator = kd.experimental.DatasetCreator(make(with_targets=True))
+    np.testing.assert_allclose(
+        model.evaluate(creator, steps=2, verbose=0), want_evaluation, rtol=1e-6
+    )
+    history = model.fit(creator, epochs=2, steps_per_epoch=2, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], want_history.history["loss"], rtol=1e-5)
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
