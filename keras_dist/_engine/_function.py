@@ -51,6 +51,7 @@ from keras_dist._engine._next_element import with_next_elements
 from keras_dist._engine._program_reuse import ProgramFingerprint
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._engine._state_layout import StateLayout
+from keras_dist._engine._tensorflow_calls import explains_tensorflow_calls
 from keras_dist._input import DistributedIterator
 from keras_dist._input import EndOfInput
 from keras_dist._jax_trace import current_trace
@@ -175,6 +176,7 @@ class Function:
     def __call__(self, *args, **kwargs):
         return self._call(args, kwargs)
 
+    @explains_tensorflow_calls("A `kd.function`")
     def _call(self, args, kwargs, relearned=False):
         inside = _context.current_function_trace() is not None
         inside = inside or _context.current_frame().engine is not None  # in a replica's run

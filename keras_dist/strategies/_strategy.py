@@ -17,6 +17,7 @@ from keras_dist import _context
 from keras_dist._capabilities import DistributionStrategy
 from keras_dist._capabilities import MeshRuntime
 from keras_dist._context import running_replica_context
+from keras_dist._engine._tensorflow_calls import explains_tensorflow_calls
 from keras_dist._engine_contract import ReplicaCopies
 from keras_dist._input import DistributedDataset
 from keras_dist._input import NumpyDataset
@@ -80,6 +81,7 @@ class Strategy(DistributionStrategy):
         """
         return _Scope(self)
 
+    @explains_tensorflow_calls("`strategy.run`")
     def run(self, fn, args=(), kwargs=None, options=None):
         """Runs ``fn(*args, **kwargs)`` on every replica; returns ``PerReplica`` results.
 
