@@ -34,8 +34,9 @@ class Checkpoint:
     ``tf.train.Checkpoint``'s counterpart. Keyword arguments name the objects:
     Keras models and layers, optimizers, metrics, variables (keras_dist's
     ``MirroredVariable`` and ``SyncOnReadVariable`` included), lists and dicts
-    of them, and other ``Checkpoint``s. More can be added later as attributes
-    (``checkpoint.step = keras.Variable(0)``). Variables are matched by the
+    of them, and other ``Checkpoint``s; a ``tf.Variable`` (a tutorial's step
+    counter) is saved and restored as a variable too. More can be added later
+    as attributes (``checkpoint.step = keras.Variable(0)``). Variables are matched by the
     object that holds them and their position in it, not by name.
 
     Call ``save``, ``write``, ``restore`` and ``read`` in the cross-replica
@@ -253,7 +254,7 @@ def _check_trackable(name, value) -> None:
         return
     raise ValueError(
         f"`Checkpoint` was expecting `{name}` to be a Keras model, layer, optimizer, "
-        "metric or variable, a list or dict of them, or a `Checkpoint`. "
+        "metric or variable (or a `tf.Variable`), a list or dict of them, or a `Checkpoint`. "
         f"Received: {name}={_objects.describe(value)}"
     )
 
@@ -308,7 +309,7 @@ def _variables_for_restore(checkpoint: Checkpoint, saved: dict, save_path: str) 
     # Every unbuilt model is refused before an optimizer is built for one: nothing changes.
     for key, obj in leaves:
         saved_count = sum(1 for k in saved if k.startswith(f"{key}/"))
-        unbuilt = not isinstance(obj, keras.Variable) and not obj.variables
+        unbuilt = not _objects.is_variable(obj) and not obj.variables
         if unbuilt and saved_count and not _objects.is_unbuilt_optimizer(obj):
             raise ValueError(
                 f"`{key}` ({_objects.describe(obj)}) has no variables yet, and the checkpoint "

@@ -13,6 +13,10 @@ aggregate (``sum``/``mean``; ``only_first_replica`` and ``none``: the first
 replica's component). Restoring assigns in the cross-replica context, which
 follows TF's rules: a ``sum`` variable saved as 7 on two replicas restores as
 3.5 and 3.5.
+
+A ``tf.Variable`` (TF tutorials keep their epoch and step counters in one) is
+saved as its ``numpy()`` value and restored with its ``assign``. It is recognised
+by its type's module and those two methods: TensorFlow is never imported here.
 """
 
 import jax
@@ -39,7 +43,49 @@ def is_leaf(obj) -> bool:
     >>> is_leaf(keras.Variable(1.0)), is_leaf([keras.Variable(1.0)])
     (True, False)
     """
-    return isinstance(obj, (keras.Variable, *_WITH_VARIABLES))
+    return isinstance(obj, (keras.Variable, *_WITH_VARIABLES)) or is_variable(obj)
+
+
+def is_variable(obj) -> bool:
+    """Whether ``obj`` is one variable: a Keras one or a ``tf.Variable``."""
+    return isinstance(obj, keras.Variable) or _is_tensorflow_variable(obj)
+
+
+def _is_tensorflow_variable(obj) -> bool:
+    module = type(obj).__module__ or ""
+    return (
+        module.startswith("tensorflow.")
+        and callable(getattr(obj, "assign", None))
+        and callable(getattr(obj, "numpy", None))
+    )
+
+
+class TensorFlowVariable:
+    """A ``tf.Variable`` as a checkpoint reads and writes variables (``path``, ``shape``,
+    ``dtype``, ``value``, ``assign``): saved as its ``numpy()`` value, restored by its
+    ``assign`` in the cross-replica context, as a Keras variable is."""
+
+    def __init__(self, variable):
+        self.variable = variable
+
+    @property
+    def path(self) -> str:
+        return self.variable.name
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.variable.shape)
+
+    @property
+    def dtype(self) -> str:
+        return self.variable.dtype.name
+
+    @property
+    def value(self) -> np.ndarray:
+        return np.asarray(self.variable.numpy())
+
+    def assign(self, value) -> None:
+        self.variable.assign(value)
 
 
 def describe(obj) -> str:
@@ -55,6 +101,8 @@ def variables_of(key: str, obj) -> dict:
     """
     if isinstance(obj, keras.Variable):
         return {key: obj}
+    if _is_tensorflow_variable(obj):
+        return {key: TensorFlowVariable(obj)}
     return {f"{key}/{i}": variable for i, variable in enumerate(obj.variables)}
 
 

@@ -333,6 +333,72 @@ def test_restore_checks_shapes_and_what_it_can_hold(tmp_path):
     assert int(iterations.numpy()) == 7
 
 
+class _StandInTFVariable:
+    """What a checkpoint reads of a ``tf.Variable``, in a module named as TF's are."""
+
+    __module__ = "tensorflow.python.ops.stand_in"
+
+    def __init__(self, value, dtype):
+        self._value = np.asarray(value, dtype)
+        self.name = "step:0"
+        self.dtype = np.dtype(dtype)  # (TF's DType has a `name` too)
+
+    @property
+    def shape(self):
+        return self._value.shape
+
+    def numpy(self):
+        return self._value.copy()
+
+    def assign(self, value):
+        self._value = np.asarray(value, self._value.dtype)
+
+
+def _round_trip(tmp_path, step, epoch_and_values):
+    """Saves ``step`` and ``epoch_and_values`` with a Keras variable, changes them all,
+    restores; returns the restore's status."""
+    weight = keras.Variable([1.0, 2.0])
+    checkpoint = kd.train.Checkpoint(step=step, weight=weight, counters=epoch_and_values)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    step.assign(step.numpy() + 10)
+    for counter in epoch_and_values:
+        counter.assign(counter.numpy() * 0)
+    weight.assign([0.0, 0.0])
+    status = kd.train.Checkpoint(step=step, weight=weight, counters=epoch_and_values).restore(path)
+    np.testing.assert_array_equal(np.asarray(weight.value), [1.0, 2.0])
+    return status
+
+
+def test_a_tf_variable_is_saved_and_restored_like_a_variable(tmp_path):
+    step = _StandInTFVariable(7, "int32")
+    scales = _StandInTFVariable([0.5, 1.5], "float32")
+    status = _round_trip(tmp_path, step, [scales])
+    status.assert_consumed()
+    assert step.numpy().dtype == np.int32 and int(step.numpy()) == 7
+    np.testing.assert_array_equal(scales.numpy(), [0.5, 1.5])
+
+
+def test_a_tf_variable_is_saved_and_restored_with_tensorflow(tmp_path):
+    tf = pytest.importorskip("tensorflow")
+    step, epoch = tf.Variable(0), tf.Variable(3, dtype=tf.int64)
+    scales = tf.Variable([0.5, 1.5])
+    for _ in range(5):
+        step.assign_add(1)  # (a tutorial's counter, advanced by its loop)
+    _round_trip(tmp_path, step, [epoch, scales]).assert_consumed()
+    assert int(step.numpy()) == 5 and int(epoch.numpy()) == 3
+    np.testing.assert_array_equal(scales.numpy(), [0.5, 1.5])
+    # TF's rule, as for Keras variables: another dtype is refused, nothing assigned.
+    path = kd.train.Checkpoint(step=tf.Variable(2.5)).write(str(tmp_path / "float"))
+    with pytest.raises(ValueError, match=r"checkpoint dtype float32, variable dtype int32"):
+        kd.train.Checkpoint(step=step).read(path)
+    assert int(step.numpy()) == 5
+    # A manager's step counter and checkpoint number may be one too.
+    manager = kd.train.CheckpointManager(
+        kd.train.Checkpoint(step=step), str(tmp_path / "managed"), 3, step_counter=step
+    )
+    assert manager.save(checkpoint_number=step).endswith("-5")
+
+
 @pytest.mark.parametrize("method", ["save", "write", "restore", "read"])
 def test_checkpoint_calls_inside_a_replica_say_where_to_call_them(tmp_path, method):
     strategy = kd.MirroredStrategy(cpus(2))
