@@ -21,6 +21,9 @@ from keras_dist._keras._internals import check as check_keras_internals
 from keras_dist._keras._internals import get_data_adapter as get_data_adapter
 from keras_dist._keras._layers import building_batch_norm as building_batch_norm
 from keras_dist._keras._layers import install_layer_hooks
+from keras_dist._keras._loss_reductions import install_loss_hooks
+from keras_dist._keras._loss_reductions import needs_every_replica as needs_every_replica
+from keras_dist._keras._loss_reductions import replica_batch_share as replica_batch_share
 from keras_dist._keras._model import compute_loss_and_updates as compute_loss_and_updates
 from keras_dist._keras._model import keras_update_metrics as keras_update_metrics
 from keras_dist._keras._model import model_layers as model_layers
@@ -64,10 +67,11 @@ from keras_dist._keras._variable_hooks import variable_has_value as variable_has
 
 
 def install_hooks(training: TrainingIntegration, apply_in_replica_context) -> None:
-    """Installs every hook (once): variables, optimizer, trainer, layers, saving."""
+    """Installs every hook (once): variables, optimizer, trainer, layers, losses, saving."""
     check_keras_internals()
     install_variable_hook()
     install_optimizer_hook(apply_in_replica_context)
     install_trainer_hook(training)
     install_layer_hooks()
+    install_loss_hooks()
     install_saving_hook()

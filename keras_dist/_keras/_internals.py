@@ -196,6 +196,8 @@ SYMBOLS = (
     Symbol(BatchNormalization, "build", ("self", "input_shape")),
     Symbol(BatchNormalization, "_moments", ("self", "inputs", "mask")),
     Symbol(loss_module, "reduce_values", ("values", "sample_weight", "reduction")),
+    Symbol(loss_module, "scale_loss_for_distribution", ("value",)),
+    Symbol(loss_module, "unscale_loss_for_distribution", ("value",)),
     # Saving: ModelCheckpoint writes at the chief's path, atomically.
     Symbol(saving_lib, "get_attr_skipset", ("obj_type",)),
     Symbol(ModelCheckpoint, "_get_file_path", ("self", "epoch", "batch", "logs")),

@@ -1,17 +1,14 @@
-"""Keras layers and losses under a strategy: batch-norm statistics, empty batches and
-each replica's own random draws."""
+"""Keras layers under a strategy: batch-norm statistics, empty batches and each
+replica's own random draws."""
 
 import functools
 import threading
 
 import jax
-from keras import ops
 
 from keras_dist import _context
 from keras_dist._keras._internals import BatchNormalization
 from keras_dist._keras._internals import SeedGenerator
-from keras_dist._keras._internals import Trainer
-from keras_dist._keras._internals import loss_module
 
 _batch_norm_building = threading.local()
 
@@ -52,49 +49,6 @@ def _wrap_batch_norm_call(original):
     return call
 
 
-def _wrap_reduce_values(original):
-    """An empty batch's loss reduces to 0 under a strategy, as in tf-keras.
-
-    A last batch smaller than the replica count leaves some replicas no rows.
-    tf-keras reduces their loss to 0 (``divide_no_nan``); Keras 3's
-    ``losses.loss.reduce_values`` returns the empty array itself, which breaks
-    the gradient (not a scalar) and turns the loss metric into NaN.
-    """
-
-    @functools.wraps(original)
-    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
-        shape = tuple(getattr(values, "shape", ()))
-        if reduction not in (None, "none") and 0 in shape and _context.has_strategy():
-            return ops.zeros((), dtype=values.dtype)
-        return original(values, sample_weight, reduction)
-
-    return reduce_values
-
-
-def _wrap_compute_loss(original):
-    """A replica without rows has a loss of 0 however the model makes its loss.
-
-    ``reduce_values`` covers compiled losses; a layer's ``add_loss`` of a mean,
-    or an overridden ``compute_loss``, is NaN on no rows. Its share of the
-    gradient is 0 anyway, but Keras's loss tracker adds ``NaN * 0`` rows and
-    the reported loss became NaN.
-    """
-
-    @functools.wraps(original)
-    def _compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        loss = original(self, x, y, y_pred, sample_weight, training)
-        if _context.has_strategy() and _has_no_rows(x):
-            return ops.zeros_like(loss)
-        return loss
-
-    return _compute_loss
-
-
-def _has_no_rows(x) -> bool:
-    leaves = [leaf for leaf in jax.tree_util.tree_leaves(x) if hasattr(leaf, "shape")]
-    return bool(leaves) and len(leaves[0].shape) > 0 and leaves[0].shape[0] == 0
-
-
 def _wrap_seed_next(original):
     """Each replica draws its own random numbers, as tf.keras's replicas do.
 
@@ -122,12 +76,10 @@ def _wrap_seed_next(original):
 
 
 def install_layer_hooks() -> None:
-    """Batch-norm statistics per replica (as tf.keras); a replica without rows has a
-    loss of 0 and leaves them as they are; each replica's random draws are its own."""
+    """Batch-norm statistics per replica (as tf.keras); a replica without rows leaves
+    them as they are; each replica's random draws are its own."""
     if getattr(BatchNormalization.build, "_keras_dist_hook", False):
         return
     BatchNormalization.build = _wrap_batch_norm_build(BatchNormalization.build)
     BatchNormalization.call = _wrap_batch_norm_call(BatchNormalization.call)
-    loss_module.reduce_values = _wrap_reduce_values(loss_module.reduce_values)
     SeedGenerator.next = _wrap_seed_next(SeedGenerator.next)
-    Trainer._compute_loss = _wrap_compute_loss(Trainer._compute_loss)

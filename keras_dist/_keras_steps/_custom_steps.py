@@ -6,16 +6,21 @@ call it, and may return its replica's own metric values as logs; these two
 helpers make it count and report as one device's.
 """
 
+import contextlib
+
 import jax
 
 from keras_dist import _context
 from keras_dist._keras import gradient_share
 from keras_dist._keras import overrides_step
 from keras_dist._keras import replaced_methods
+from keras_dist._keras import replica_batch_share
 
 
+@contextlib.contextmanager
 def counted_by_share(model, share):
-    """Within, the replica's gradients count by ``share`` (its rows of the global batch).
+    """Within, the replica's gradients count by ``share`` (its rows of the global batch),
+    and its losses reduce as parts of the global batch (``replica_batch_share``).
 
     Keras's own JAX ``train_step`` differentiates ``optimizer.scale_loss(loss)``
     and reports the unscaled loss: the loss is scaled there, before the
@@ -25,9 +30,12 @@ def counted_by_share(model, share):
     """
     optimizer = model.optimizer
     if overrides_step(model, "train"):
-        return gradient_share(share)
-    original = type(optimizer).scale_loss.__get__(optimizer)
-    return replaced_methods(optimizer, {"scale_loss": lambda loss: original(loss) * share})
+        counted = gradient_share(share)
+    else:
+        original = type(optimizer).scale_loss.__get__(optimizer)
+        counted = replaced_methods(optimizer, {"scale_loss": lambda loss: original(loss) * share})
+    with counted, replica_batch_share(share):
+        yield
 
 
 def custom_logs_averaged(model, kind, logs):

@@ -7,7 +7,8 @@ and padding would let the padded rows into metrics that ignore sample weights
 with Keras's own stateless pieces compiled per replica shape:
 
 1. on each replica, ``compute_loss_and_updates`` and its gradient, the loss
-   scaled by the replica's share of the global batch;
+   scaled by the replica's share of the global batch (and reduced as a part of
+   it: ``replica_batch_share``);
 2. the gradients summed, and the optimizer's ``stateless_apply`` run once;
 3. on each replica, Keras's metric update for its rows.
 
@@ -25,7 +26,9 @@ from keras_dist._input import batch_rows
 from keras_dist._keras import compute_loss_and_updates
 from keras_dist._keras import keras_update_metrics
 from keras_dist._keras import model_layers
+from keras_dist._keras import needs_every_replica
 from keras_dist._keras import overrides_keras_step
+from keras_dist._keras import replica_batch_share
 from keras_dist._keras import unpack_x_y_sample_weight as _unpack
 from keras_dist._values import select_replica
 from keras_dist._values._variables import SyncOnReadVariable
@@ -41,9 +44,11 @@ class PerShapeSteps:
         self._jitted: dict = {}
 
     def supports(self, model) -> bool:
-        """Keras's own steps, and no layer that needs the other replicas' rows."""
+        """Keras's own steps, and no layer or loss that needs the other replicas' rows."""
         if any(isinstance(layer, SyncBatchNormalization) for layer in model_layers(model)):
             return False  # its statistics need a collective: the eager engine says so
+        if needs_every_replica(model):
+            return False  # (a loss over the global batch's sample weights: the same)
         return not overrides_keras_step(model)
 
     def _jit(self, name, fn):
@@ -106,38 +111,45 @@ class PerShapeSteps:
             self._assign_component(model.metrics_variables, index, metrics)
         return model.get_metrics_result()
 
-    def test(self, split):
+    def test(self, split, global_rows):
         model = self.model
         # Not ``model.test_step`` itself: JAX's trace cache takes two bound methods of one
         # model as the same function, and a recompiled model's metrics are new.
-        test_step = self._jit("test", lambda state, data: model.test_step(state, data))
+        test_step = self._jit("test", functools.partial(_test_step, model))
         for index in range(self.extended.num_local_replicas):
             state = (
                 self._values(model.trainable_variables, index),
                 self._values(model.non_trainable_variables, index),
                 self._values(model.metrics_variables, index),
             )
-            _, (_, non_trainable, metrics) = test_step(state, select_replica(index, split))
+            data = select_replica(index, split)
+            _, (_, non_trainable, metrics) = test_step(state, data, batch_rows(data) / global_rows)
             self._assign_component(model.non_trainable_variables, index, non_trainable)
             self._assign_component(model.metrics_variables, index, metrics)
         return model.get_metrics_result()
+
+
+def _test_step(model, state, data, share):
+    with replica_batch_share(share):
+        return model.test_step(state, data)
 
 
 def _grad_step(model, trainable, non_trainable, metrics, optimizer_values, data, scale):
     x, y, sample_weight = _unpack(data)
 
     def loss_fn(trainable):
-        loss, aux = compute_loss_and_updates(
-            model,
-            trainable,
-            non_trainable,
-            metrics,
-            x,
-            y,
-            sample_weight,
-            training=True,
-            optimizer_variables=optimizer_values,
-        )
+        with replica_batch_share(scale):
+            loss, aux = compute_loss_and_updates(
+                model,
+                trainable,
+                non_trainable,
+                metrics,
+                x,
+                y,
+                sample_weight,
+                training=True,
+                optimizer_variables=optimizer_values,
+            )
         return loss * scale, aux
 
     (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)

@@ -5,12 +5,10 @@ validation, ``steps_per_execution``); only the step functions differ. Each
 step runs Keras's own ``train_step`` / ``test_step`` / ``predict_step`` on
 every replica through ``strategy.run``:
 
-* The replica's loss is scaled by ``local_rows / global_rows`` for the
-  gradient (``1 / num_replicas`` for even batches, as TF), so the optimizer's
-  SUM of gradients is the gradient of the global-batch loss; regularization
-  losses are counted once. Reported losses and metrics are unscaled. A custom
-  ``train_step`` may never scale its loss: its gradients are scaled as the
-  optimizer receives them, and its logs averaged over the replicas.
+* The replica's loss is scaled by ``local_rows / global_rows`` (a custom
+  ``train_step``'s gradients, as the optimizer gets them): the SUM of gradients
+  is the global batch's; each Keras loss reduces as a part of the global batch
+  (``_keras/_loss_reductions.py``). Losses and metrics are one device's.
 * The optimizer's ``apply`` in a replica is the tf.distribute pattern
   (``merge_call`` -> ``batch_reduce_to(SUM)`` -> apply once), so clipping and
   loss scaling see the summed gradients.
@@ -44,6 +42,7 @@ from keras_dist._input import batch_rows
 from keras_dist._input import densify
 from keras_dist._keras import compiled_under
 from keras_dist._keras import execution_batches
+from keras_dist._keras import replica_batch_share
 from keras_dist._keras import step_state
 from keras_dist._keras import step_variables
 from keras_dist._keras_steps._custom_steps import counted_by_share
@@ -333,25 +332,27 @@ class DistributedSteps:
         logs = self._run_repeated("test", data, split)
         if logs is not MISSED:
             return logs
-        _nonempty_rows(data, "`model.evaluate` (or `fit`'s validation)")
+        rows = _nonempty_rows(data, "`model.evaluate` (or `fit`'s validation)")
         split = self._split(data) if split is None else split
         uneven = _had_uneven(split)
         if uneven and self._runs_uneven_steps():
             GATE.wait()
-            return self._uneven.test(split)
-        logs = self._run(self._replica_test_step, split)
-        self._learn_repeated("test", data, uneven, self._replica_test_step, split)
+            return self._uneven.test(split, rows)
+        logs = self._run(self._replica_test_step, split, rows)
+        self._learn_repeated("test", data, uneven, self._replica_test_step, split, rows)
         return self._logs(logs, uneven)
 
-    def _replica_test_step(self, data):
-        return self._replica_test_steps([data], None)
+    def _replica_test_step(self, data, global_rows):
+        return self._replica_test_steps([data], [global_rows])
 
     def _replica_test_steps(self, datas, rows):
         """Keras's ``test_step`` on each batch in turn (``_fused_steps``)."""
         model = self.model
+        global_rows = rows[0]  # (fused batches have one layout: one row count)
 
         def step(state, data):
-            logs, state = model.test_step(state, data)
+            with replica_batch_share(batch_rows(data) / global_rows):
+                logs, state = model.test_step(state, data)
             return state, logs
 
         logs, new_state = fused_steps(step, step_state(model, "test"), datas)
