@@ -24,6 +24,7 @@ import collections
 import collections.abc
 import contextlib
 import functools
+import types
 import weakref
 
 import jax
@@ -33,6 +34,7 @@ from keras_dist import _context
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._context import InputReadInTrace
 from keras_dist._engine._function_key import FunctionKey
+from keras_dist._engine._function_key import global_reads
 from keras_dist._engine._function_key import static_key
 from keras_dist._engine._function_outputs import flatten_outputs
 from keras_dist._engine._function_placement import for_trace
@@ -149,6 +151,13 @@ class Function:
         self._retraces = RetraceMonitor()
         self._bound: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._code = FunctionKey(python_function).code
+        # The module globals the function reads: a program traced with other values
+        # of them is not the one to run (``scale = 2.0`` after a trace with 1.0).
+        self._globals = (
+            global_reads(python_function)
+            if isinstance(python_function, types.FunctionType)
+            else None
+        )
         # Set once a trace read a dataset or iterator itself: each call runs the Python.
         self._runs_as_python = False
         self._reads = ReadCounts()  # elements a call takes from its iterator arguments
@@ -218,6 +227,8 @@ class Function:
             dynamic.append(array)
             signature.append((kind, array.shape, array.dtype, getattr(array, "weak_type", False)))
         key = (treedef, tuple(statics), tuple(signature))
+        if self._globals is not None:
+            key += (self._globals.part(),)
         program = self._programs.get(key)
         code = self._code
         if program is not None and (

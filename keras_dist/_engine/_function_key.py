@@ -20,6 +20,7 @@ True
 """
 
 import math
+import operator
 import types
 import weakref
 from typing import NamedTuple
@@ -48,9 +49,12 @@ class FunctionKey:
     * A plain function or lambda is its code, globals, defaults and the objects
       its closure cells hold (by identity, held weakly; numbers, strings and
       other hashable values by value; a list, tuple or dict by what it holds,
-      so a closure over ``[model, optimizer]`` made afresh is the same function).
-    * A bound method (made afresh at every attribute access) is its function
-      and the object it is bound to.
+      so a closure over ``[model, optimizer]`` made afresh is the same function),
+      and the module globals its code reads now, compared the same way
+      (``GlobalReads``): a program traced with ``scale = 1.0`` is not the one
+      for ``scale = 2.0``, as TF's eager ``run`` and fresh ``tf.function`` see it.
+    * A bound method (made afresh at every attribute access) is its function,
+      the object it is bound to and the globals the function reads.
     * Any other callable is itself, held weakly.
     """
 
@@ -59,6 +63,8 @@ class FunctionKey:
     def __init__(self, fn):
         if isinstance(fn, types.MethodType):
             parts = (_identity(fn.__func__), _identity(fn.__self__))
+            if isinstance(fn.__func__, types.FunctionType):
+                parts += (global_reads(fn.__func__).part(),)
             self.code = MethodCode(getattr(fn.__func__, "__code__", fn.__func__), id(fn.__self__))
         elif isinstance(fn, types.FunctionType):
             parts = _function_parts(fn)
@@ -118,12 +124,14 @@ def key_of(fn) -> FunctionKey:
         and last.globals is fn.__globals__
         and len(last.captured) == len(captured)
         and all(map(_is_held, last.captured, captured))
+        and last.reads.part() is last.reads_part
     ):
         return last.key
     key = FunctionKey(fn)
     held = _held(captured) if isinstance(key.parts[0], _Value) else None
     if held is not None:
-        _last_key = _KeptKey(fn.__code__, fn.__globals__, held, key)
+        reads = global_reads(fn)
+        _last_key = _KeptKey(fn.__code__, fn.__globals__, held, reads, reads.part(), key)
     return key
 
 
@@ -131,6 +139,8 @@ class _KeptKey(NamedTuple):
     code: object
     globals: dict
     captured: tuple  # each captured object as an ``_Identity``
+    reads: "GlobalReads"
+    reads_part: object  # the globals' part of ``key`` (the same object while they hold)
     key: FunctionKey
 
 
@@ -160,6 +170,7 @@ def _is_held(held, value) -> bool:
 def _function_parts(fn) -> tuple:
     captured = _captured(fn)
     parts = [_Value(fn.__code__), _Identity(fn.__globals__, weak=False)]
+    parts.append(global_reads(fn).part())
     for value in captured:
         part = _part(value)
         if part is _UNRECOGNISABLE:
@@ -231,6 +242,100 @@ class _Contents:
 
     def __eq__(self, other):
         return isinstance(other, _Contents) and self._key == other.key
+
+
+class GlobalReads:
+    """The module globals a function's code reads, as a part of its key.
+
+    Its code's names (nested functions' and lambdas' included) that are globals of
+    its module, and so are the globals read by the functions of the same module it
+    reads (a helper's constant counts). ``part()`` compares their values now as a
+    captured object is compared; while every value is the very object it was, it
+    is the same part object as before (a loop's step pays a dictionary look-up a
+    name).
+
+    >>> import types
+    >>> module = {"scale": 1.0}
+    >>> fn = types.FunctionType((lambda x: x * scale).__code__, module)
+    >>> reads = GlobalReads(fn)
+    >>> first = reads.part()
+    >>> reads.part() is first
+    True
+    >>> module["scale"] = 2.0
+    >>> reads.part() == first
+    False
+    """
+
+    __slots__ = ("_names", "_values", "_part")
+
+    def __init__(self, fn):
+        self._names = _global_names(fn)
+        self._values = None
+        self._part = None
+
+    def part(self):
+        """The values of the globals read now, as one comparable part."""
+        values = tuple(namespace.get(name, _UNSET) for namespace, name in self._names)
+        last = self._values
+        if last is not None and all(map(operator.is_, values, last)):
+            return self._part
+        part = _Contents(tuple, None, tuple(_global_part(value) for value in values))
+        # A list or dict may change in place: compared by what it holds on every call.
+        mutable = any(isinstance(value, (list, dict)) for value in values)
+        self._values, self._part = (None if mutable else values), part
+        return part
+
+
+_UNSET = object()  # a global not (yet) defined
+_MAX_HELPERS = 32  # same-module functions followed for the globals they read
+
+
+def _global_part(value):
+    part = _part(value)
+    return part if part is not _UNRECOGNISABLE else _Identity(value, weak=False)
+
+
+def global_reads(fn) -> GlobalReads:
+    """``fn``'s ``GlobalReads``, made once per code and module."""
+    key = (fn.__code__, id(fn.__globals__))
+    reads = _reads_by_code.get(key)
+    if reads is None:
+        if len(_reads_by_code) >= _MAX_READS:
+            _reads_by_code.pop(next(iter(_reads_by_code)))
+        reads = _reads_by_code[key] = GlobalReads(fn)
+    return reads
+
+
+_MAX_READS = 1024
+_reads_by_code: dict = {}
+
+
+def _global_names(fn) -> tuple:
+    """``(module globals, name)`` for each global ``fn`` (and its module's functions it
+    reads, transitively) may read."""
+    namespace = fn.__globals__
+    found, seen_code, pending = {}, set(), [fn.__code__]
+    while pending and len(seen_code) < _MAX_HELPERS:
+        code = pending.pop()
+        if code in seen_code:
+            continue
+        seen_code.add(code)
+        for name in _code_names(code):
+            if name not in namespace or name in found:
+                continue
+            found[name] = (namespace, name)
+            value = namespace[name]
+            if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
+                pending.append(value.__code__)  # a helper of the same module
+    return tuple(found.values())
+
+
+def _code_names(code):
+    """The names ``code`` and the code objects nested in it load (globals among them)."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_names(const)
 
 
 def static_key(value):
