@@ -118,4 +118,9 @@ def make_per_replica_statistic(variable) -> None:
 
 def variable_has_value(variable) -> bool:
     """Whether Keras has stored the variable's first value."""
+    # A variable whose ``_value`` is a read of its replicas' components (SyncOnRead)
+    # says so without reading them.
+    holds_value = getattr(variable, "holds_value", None)
+    if holds_value is not None:
+        return holds_value
     return getattr(variable, "_value", None) is not None

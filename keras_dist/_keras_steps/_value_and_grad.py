@@ -8,7 +8,10 @@ as TF's tape gives them; the optimizer sums them across replicas.
 
 A variable the loss does not depend on gets ``None``, as ``tape.gradient``
 gives it (JAX's zeros would let the optimizer's weight decay shrink a variable
-TF leaves alone; Keras's optimizer skips ``None``, with a warning).
+TF leaves alone; Keras's optimizer skips ``None``, with a warning), and so does
+a variable that is not floating-point (an integer seed state in
+``model.variables``). A loss of several values is differentiated as their sum,
+as the tape does; the loss itself is returned as it is.
 """
 
 import jax
@@ -44,14 +47,20 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
         enclosing = current_scope()  # a trace's: what the loss reads besides ``variables``
         outer = dict(enclosing.state_mapping) if enclosing is not None else {}
         current = [v.value for v in variables]
+        # Only floating-point variables have gradients; the others (an integer seed
+        # state, a step counter) get ``None``, as from TF's tape, and are read as they are.
+        differentiable = [_is_differentiable(x) for x in current]
+        watched = [x for x, d in zip(current, differentiable) if d]
+        fixed = {id(v): x for v, x, d in zip(variables, current, differentiable) if not d}
         writes = []  # (variable, kind), replayed after the gradient
 
-        reached = [False] * len(variables)  # set while the gradient is traced
+        reached = [False] * len(watched)  # set while the gradient is traced
 
         def pure(values):
-            values = _watched(reached)(values)
+            values = iter(_watched(reached)(values))
             mapping = dict(outer)
-            mapping.update({id(v): x for v, x in zip(variables, values)})
+            mapping.update(fixed)
+            mapping.update({id(v): next(values) for v, d in zip(variables, differentiable) if d})
             deferred = []
             with RecordingScope(mapping, deferred_writes=deferred, parent=enclosing) as scope:
                 out = loss_fn(*args, **kwargs)
@@ -65,15 +74,21 @@ def value_and_grad(loss_fn, variables, has_aux: bool = False):
                     writes.append((variable, "assign"))
                     values_out.append(scope.state_mapping[id(variable)])
             loss, aux = out if has_aux else (out, None)
-            return loss, (aux, values_out)
+            # A loss of several values is differentiated as their sum, as by the tape.
+            return jax.numpy.sum(loss), (loss, aux, values_out)
 
-        (loss, (aux, values_out)), grads = jax.value_and_grad(pure, has_aux=True)(current)
+        (_, (loss, aux, values_out)), grads = jax.value_and_grad(pure, has_aux=True)(watched)
         for (variable, kind), value in zip(writes, values_out):
             getattr(variable, kind)(value)
-        grads = [g if connected else None for g, connected in zip(grads, reached)]
+        grads = iter([g if connected else None for g, connected in zip(grads, reached)])
+        grads = [next(grads) if d else None for d in differentiable]
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
+
+
+def _is_differentiable(value) -> bool:
+    return jax.numpy.issubdtype(jax.numpy.result_type(value), jax.numpy.inexact)
 
 
 def _watched(reached):

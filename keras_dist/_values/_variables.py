@@ -215,6 +215,12 @@ class SyncOnReadVariable(DistributedVariable):
 
     _stacked = None
 
+    @property
+    def holds_value(self) -> bool:
+        """Whether the components were stored, said without reading (aggregating) them:
+        inside a trace that read would be a program of its own within the trace's."""
+        return self._stacked is not None
+
     # Keras stores the first value through ``_value`` (and reads it back for
     # the shape): every component starts from it.
     @property

@@ -199,3 +199,93 @@ def test_a_variable_the_loss_does_not_use_gets_none_and_keeps_its_value(engine, 
     np.testing.assert_allclose(weights[0], _TF_USED_AFTER_3_STEPS[0], rtol=1e-6)
     np.testing.assert_allclose(weights[1], _TF_USED_AFTER_3_STEPS[1], rtol=1e-6)
     assert weights[2:] == [[1.0, 1.0], [0.0]]  # JAX's zeros had decayed them to 0.857
+
+
+def _batch_norm_model():
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4, kernel_initializer=keras.initializers.GlorotUniform(1)),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(2)),
+        ]
+    )
+
+
+def _batch_norm_gradients(strategy):
+    """A loss's gradients over all of a batch-norm model's variables, in a replica."""
+    with strategy.scope():
+        model = _batch_norm_model()
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype("float32")
+
+    def replica_fn(x):
+        def loss_fn():
+            return keras.ops.mean((model(x, training=True) - 1.0) ** 2)
+
+        return kd.value_and_grad(loss_fn, model.variables)()
+
+    loss, grads = strategy.run(replica_fn, args=(x,))
+    local = strategy.experimental_local_results
+    grads = [None if g is None else np.asarray(local(g)[0]) for g in grads]
+    moving = [np.asarray(v.value) for v in model.non_trainable_variables]
+    return float(local(loss)[0]), grads, moving
+
+
+@pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: kd.MirroredStrategy(cpus(1))],
+    ids=["one_device", "mirrored_one_replica"],
+)
+def test_one_replica_gradient_over_non_trainable_variables(engine, make_strategy):
+    expected = _batch_norm_gradients(kd.get_strategy())
+    loss, grads, moving = _batch_norm_gradients(make_strategy())
+    assert loss == pytest.approx(expected[0], rel=1e-6)
+    # The moving statistics have no gradient (TF's tape: None); the others are one device's.
+    assert [g is None for g in grads] == [g is None for g in expected[1]]
+    assert sum(g is None for g in grads) == 2
+    for got, want in zip(grads, expected[1]):
+        if want is not None:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(moving, expected[2]):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_loss_of_several_values_is_differentiated_as_their_sum(engine):
+    # tape.gradient(target, w) of a non-scalar target: the gradient of its sum.
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        w = keras.Variable(np.array([1.0, 2.0], "float32"))
+
+    def replica_fn(x):
+        return kd.value_and_grad(lambda: w * w * x, [w])()
+
+    loss, grads = strategy.run(replica_fn, args=(np.float32(3.0),))
+    for value in strategy.experimental_local_results(loss):
+        np.testing.assert_allclose(value, [3.0, 12.0])  # the loss as it is
+    for value in strategy.experimental_local_results(grads[0]):
+        np.testing.assert_allclose(value, [6.0, 12.0])  # d/dw sum(3 w^2) = 6 w
+
+
+def test_integer_variables_get_no_gradient(engine):
+    # An LSTM's or a Dropout's seed state is an integer variable in ``model.variables``.
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.Dense(2, kernel_initializer="ones"),
+             keras.layers.Dropout(0.5)]
+        )  # fmt: skip
+    integers = [v for v in model.variables if "int" in str(v.dtype)]
+    assert integers, "the Dropout layer's seed state is an integer variable"
+
+    def replica_fn(x):
+        return kd.value_and_grad(lambda: keras.ops.sum(model(x)), model.variables)()
+
+    loss, grads = strategy.run(replica_fn, args=(np.ones((4, 3), "float32"),))
+    for variable, grad in zip(model.variables, grads):
+        if "int" in str(variable.dtype):
+            assert grad is None
+        else:
+            value = strategy.experimental_local_results(grad)[0]
+            assert np.asarray(value).shape == tuple(variable.shape)
+    kernel = strategy.experimental_local_results(grads[0])[0]
+    np.testing.assert_allclose(kernel, np.full((3, 2), 4.0))  # every replica: the 4 rows
