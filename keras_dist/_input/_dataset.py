@@ -161,11 +161,18 @@ class DistributedDataset:
     [[0.0, 1.0], [2.0, 3.0]]
     """
 
-    def __init__(self, make_next_fn, global_batches=None, join_replicas=False):
+    def __init__(self, make_next_fn, global_batches=None, join_replicas=False, sources=None):
         self._make_next_fn = make_next_fn
         self._element_spec = None
         # What Keras's loops read instead (see ``global_batches``); None: they cannot.
         self._global_batches = JoinedReplicas(self) if join_replicas else global_batches
+        self._sources = tuple(sources) if sources is not None else (global_batches,)
+
+    @property
+    def sources(self) -> tuple:
+        """The datasets this one reads: the dataset of global batches, or the pipelines
+        ``dataset_fn`` built (whether they end is read from them)."""
+        return self._sources
 
     def global_batches(self):
         """The global batches this dataset splits, for ``fit``, ``evaluate`` and ``predict``.
@@ -283,7 +290,7 @@ class DistributedDataset:
 
             return _ahead(next_fn, options)
 
-        return cls(make_next_fn, join_replicas=not extended.spans_processes)
+        return cls(make_next_fn, join_replicas=not extended.spans_processes, sources=datasets)
 
     def __iter__(self) -> DistributedIterator:
         refuse_input_read_in_trace()

@@ -12,6 +12,7 @@ it). Internals used: the ``JAXTrainer`` loops and ``make_*_function``,
 import contextlib
 import functools
 import inspect
+import numbers
 from typing import Protocol
 
 import keras
@@ -48,10 +49,11 @@ class TrainingIntegration(Protocol):
     def make_steps(self, model, strategy):
         """An object with ``train_function``, ``test_function``, ``predict_function``."""
 
-    def loop_input(self, data, strategy, shuffle: bool = False, steps_given: bool = False):
+    def loop_input(self, data, strategy, shuffle=False, steps=None, names=("x", "steps_per_epoch")):
         """A loop's input (``x``, ``validation_data``) with its auto-shard policy applied
         (``kd.data.with_auto_shard_policy``; ``strategy`` is ``None`` without one);
-        ``steps_given``: the loop has its steps (``steps_per_epoch``) for it."""
+        ``steps``: the loop's steps for it (``steps_per_epoch``; -1: to the data's end),
+        ``names``: the input's argument and its steps' (for errors)."""
 
     def host_batches(self, batches, read_ahead: bool, in_memory: bool, layout: tuple):
         """Keras's host batches as ``fit`` iterates them: ``read_ahead`` where reading
@@ -87,8 +89,9 @@ def _wrap_loop(original, training):
         arguments = bound.arguments
         strategy = training.model_strategy(self)
         _apply_auto_shard_policies(arguments, strategy, training, original.__name__)
-        args, kwargs = bound.args[1:], bound.kwargs
         _require_steps_for_endless_inputs(arguments)
+        _read_to_the_end(arguments)
+        args, kwargs = bound.args[1:], bound.kwargs
         quiet = original.__name__ in ("fit", "evaluate") and quiet_between_steps(
             arguments.get("callbacks")
         )
@@ -202,9 +205,10 @@ def _apply_auto_shard_policies(arguments, strategy, training, loop) -> None:
     shuffle = {"x": arguments.get("shuffle", loop == "fit"), "validation_data": False}
     for name in ("x", "validation_data"):
         if arguments.get(name) is not None:
-            steps_given = any(arguments.get(s) is not None for s in _STEPS_FOR[name])
+            steps = next((arguments[s] for s in _STEPS_FOR[name] if s in arguments), None)
+            steps_name = _STEPS_FOR[name][0 if loop == "fit" or name != "x" else 1]
             arguments[name] = training.loop_input(
-                arguments[name], strategy, shuffle[name], steps_given
+                arguments[name], strategy, shuffle[name], steps, (name, steps_name)
             )
 
 
@@ -226,6 +230,24 @@ def _require_steps_for_endless_inputs(arguments) -> None:
                 "`Model.evaluate`, or `Model.predict`. Received: "
                 f"{name}={type(data).__name__} without {' or '.join(steps_names)}"
             )
+
+
+def _read_to_the_end(arguments) -> None:
+    """tf-keras's ``steps=-1``: the input is read until it ends, as without steps.
+
+    Keras 3 counts -1 as a number of steps: callbacks saw batch -2, the progress
+    bar -1 steps, and each epoch ended in "Your input ran out of data". An input
+    that never ends is read without end, as tf-keras's ("The training loop will
+    run indefinitely"); ``loop_input`` has already taken -1 for such inputs.
+    """
+    for names in _STEPS_FOR.values():
+        for name in names:
+            if name in arguments and _is_minus_one(arguments[name]):
+                arguments[name] = None
+
+
+def _is_minus_one(steps) -> bool:
+    return isinstance(steps, numbers.Integral) and int(steps) == -1
 
 
 def execution_batches(model, iterator) -> list:

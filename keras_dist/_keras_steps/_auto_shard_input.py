@@ -13,10 +13,12 @@ import jax
 import numpy as np
 
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._capabilities import RemoteScheduling
 from keras_dist._input import DistributedDataset
 from keras_dist._input import JoinedReplicas
 from keras_dist._input import NumpyDataset
 from keras_dist._input import batch_rows
+from keras_dist._input._endless import refuse_endless
 from keras_dist._input._host_arrays import to_host_arrays
 from keras_dist._keras import DataAdapter
 from keras_dist._keras import get_data_adapter
@@ -25,7 +27,7 @@ from keras_dist.data._sharding import policy_of
 from keras_dist.data._sharding import without_policy
 
 
-def loop_input(data, strategy, shuffle=False, steps_given=False):
+def loop_input(data, strategy, shuffle=False, steps=None, names=("x", "steps_per_epoch")):
     """``data`` as Keras's loops should read it, its auto-shard policy applied.
 
     ``shuffle`` is the loop's: Keras's adapter of the data shuffles it (a
@@ -34,10 +36,25 @@ def loop_input(data, strategy, shuffle=False, steps_given=False):
     counterpart of ``tf.data``'s ``from_tensor_slices(...).batch(n)``) is read
     batch by batch, in order, as ``fit`` reads a ``tf.data`` dataset. A
     ``DistributedDataset`` (TF's Keras takes one) is read as the global batches
-    it splits. ``steps_given``: the loop was told its steps (``steps_per_epoch``).
+    it splits. ``steps``: the loop's steps for it (``steps_per_epoch``), -1 to
+    read it to its end (tf-keras's); ``names``: the argument and its steps'.
+
+    Without steps, a dataset that never ends is refused (a distributed one, or any
+    under a strategy; a distributed one of unknown length is read with a warning).
     """
     extended = None if strategy is None else strategy.extended
-    if isinstance(data, DistributedDataset):
+    steps_given = steps is not None
+    if not steps_given and (strategy is not None or isinstance(data, DistributedDataset)):
+        distributed = isinstance(data, DistributedDataset)
+        sources = data.sources if distributed else (without_policy(data),)
+        refuse_endless(sources, *names, distributed=distributed)
+    if steps == -1 and getattr(data, "keras_dist_needs_steps", False):
+        # A pipeline built here (``DatasetCreator``), endless to Keras: one pass of it.
+        # (On a parameter-server coordinator the workers read it: TF's -1 never ends there.)
+        if not (isinstance(extended, RemoteScheduling) and extended.schedules_on_workers):
+            data = _Batches(data.to_the_end())
+    distributed = isinstance(data, DistributedDataset)
+    if distributed:
         data = data.global_batches()
         if isinstance(data, JoinedReplicas):
             data = _Batches(data)
@@ -45,15 +62,34 @@ def loop_input(data, strategy, shuffle=False, steps_given=False):
     data = without_policy(data)
     if isinstance(data, NumpyDataset):
         data = NumpyDatasetAdapter(data)
+    if distributed and not _read_as_batches_by_keras(data):
+        data = _Batches(data)
     if policy is AutoShardPolicy.OFF and isinstance(extended, MeshRuntime):
         if extended.spans_processes:
             adapter = data
             if not isinstance(adapter, DataAdapter):
                 adapter = get_data_adapter(data, shuffle=shuffle)
             return EveryWorkerReadsAll(
-                adapter, extended.num_workers, extended.num_local_replicas, steps_given
+                adapter,
+                extended.num_workers,
+                extended.num_local_replicas,
+                steps_given and steps != -1,
             )
     return data
+
+
+def _read_as_batches_by_keras(batches) -> bool:
+    """Whether Keras's loops read a distributed dataset's source as its batches: Keras
+    takes a list of batches for arrays, and an iterable of its own type for nothing."""
+    if isinstance(batches, DataAdapter):
+        return True
+    if isinstance(batches, (list, tuple)):
+        return False
+    try:
+        get_data_adapter(batches)
+    except ValueError:
+        return False
+    return True
 
 
 class _HostBatches(DataAdapter):

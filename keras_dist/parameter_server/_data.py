@@ -139,22 +139,47 @@ class DatasetCreator(keras.utils.PyDataset):
         Across processes the workers' rows are gathered into that global batch
         (every worker's ``fit`` steps on the same one, each replica on its own rows).
         """
-        extended = strategy.extended
-        mesh = isinstance(extended, MeshRuntime)
-        replicas = extended.num_local_replicas if mesh else 1
         with self._reading:
-            # TensorFlow values (a tf.data pipeline's) as NumPy: Keras takes a bare array
-            # as ``(x,)``, not a bare ``tf.Tensor``.
-            pieces = [to_host_arrays(self._next_element(strategy)) for _ in range(replicas)]
-        if replicas == 1 and not (mesh and extended.spans_processes):
-            return pieces[0]
-        return jax.tree_util.tree_map(lambda *leaves: _global_rows(extended, leaves), *pieces)
+            pieces = [self._next_element(strategy) for _ in range(_local_replicas(strategy))]
+        return _global_batch(strategy.extended, pieces)
+
+    def to_the_end(self) -> "_OnePass":
+        """This process's batches of one pass of its pipeline, to its end: what ``fit``,
+        ``evaluate`` and ``predict`` read with ``steps=-1`` (TF's "until the data is
+        exhausted"). Each ``iter()`` builds the pipeline again (the next epoch's).
+
+        >>> import numpy as np
+        >>> creator = DatasetCreator(lambda context: [(np.ones((2, 1)),)] * 3)
+        >>> len(list(creator.to_the_end()))
+        3
+        """
+        return _OnePass(self._one_pass)
+
+    def _one_pass(self):
+        strategy = _context.get_strategy()
+        extended = strategy.extended
+        if isinstance(extended, MeshRuntime) and extended.spans_processes:
+            # Each worker's pipeline may end at another step: a step would wait for
+            # workers that have ended.
+            raise ValueError(
+                "A `DatasetCreator` read to its end (`steps=-1`) across processes could "
+                "end at a different step on each worker: pass the number of steps "
+                f"(`steps_per_epoch`, `steps`). Received: steps=-1 on worker "
+                f"{extended.worker_index} of {extended.num_workers}"
+            )
+        iterator = iter(self._build(_input_context(strategy)))
+        replicas = _local_replicas(strategy)
+        while True:
+            # As TF's static-shape rule: the input ends at the first step some replica
+            # has no element for.
+            pieces = [next(iterator, None) for _ in range(replicas)]
+            if any(piece is None for piece in pieces):
+                return
+            yield _global_batch(extended, pieces)
 
     def _next_element(self, strategy):
         if self._local is None:
-            extended = strategy.extended
-            n = strategy.num_replicas_in_sync
-            context = InputContext(extended.num_workers, extended.worker_index, n)
+            context = _input_context(strategy)
             self._local = (context, iter(self._build(context)))
         context, iterator = self._local
         try:
@@ -165,6 +190,37 @@ class DatasetCreator(keras.utils.PyDataset):
 
     def _build(self, context):
         return self.dataset_fn(context) if _takes_context(self.dataset_fn) else self.dataset_fn()
+
+
+class _OnePass:
+    """A ``DatasetCreator``'s pipeline read once to its end, again at each ``iter()``."""
+
+    def __init__(self, one_pass):
+        self._one_pass = one_pass
+
+    def __iter__(self):
+        return self._one_pass()
+
+
+def _input_context(strategy) -> InputContext:
+    extended = strategy.extended
+    return InputContext(extended.num_workers, extended.worker_index, strategy.num_replicas_in_sync)
+
+
+def _local_replicas(strategy) -> int:
+    extended = strategy.extended
+    return extended.num_local_replicas if isinstance(extended, MeshRuntime) else 1
+
+
+def _global_batch(extended, pieces):
+    """This worker's replicas' elements as one global batch (the one element itself where
+    it is the whole batch); TensorFlow values (a tf.data pipeline's) as NumPy: Keras takes
+    a bare array as ``(x,)``, not a bare ``tf.Tensor``."""
+    pieces = [to_host_arrays(piece) for piece in pieces]
+    spans = isinstance(extended, MeshRuntime) and extended.spans_processes
+    if len(pieces) == 1 and not spans:
+        return pieces[0]
+    return jax.tree_util.tree_map(lambda *leaves: _global_rows(extended, leaves), *pieces)
 
 
 def _global_rows(extended, leaves):
