@@ -18,10 +18,12 @@ on one and two CPUs), ``central_storage2`` (``CentralStorageStrategy`` on two CP
 - ``not_applicable.py``: ``NOT_APPLICABLE``, the reviewed list of tf-keras tests left
   out (Keras 2-only APIs, graph mode, Estimator, TF internals), each with its reason.
 
-The whole port, slow parametrizations included (about 5 minutes on 2 cores)::
+The whole port, slow parametrizations included (about 20 minutes on 2 busy cores;
+``-n 2`` halves it)::
 
     python -m pytest tests/parity/tf_keras -p no:cacheprovider -n 0
 
-A plain ``python -m pytest`` (the README's CI command) runs the part not marked
-``tf_keras_full`` and reports the rest as skipped; ``-m tf_keras_full`` selects it.
+A run that names no path inside this folder (the README's CI command, or
+``python -m pytest tests/parity``) runs the part not marked ``tf_keras_full`` (about 2
+minutes) and reports the rest as skipped; ``-m tf_keras_full`` runs the marked part.
 """

@@ -1,4 +1,4 @@
-"""tf-keras's ``keras_correctness_test_base.py``: fit, evaluate, predict, with and without a strategy.
+"""tf-keras's ``keras_correctness_test_base.py``: fit, evaluate, predict, with or without one.
 
 The harness trains one model under the strategy and one without, from the same weights
 on the same data, and compares histories, evaluations, weights and predictions with
@@ -36,9 +36,7 @@ def _dataset(strategy, arrays, batch_size, repeat=None):
     """``from_tensor_slices(arrays)[.repeat(repeat)].batch(batch_size)``."""
     if repeat:
         arrays = keras.tree.map_structure(lambda a: np.concatenate([a] * repeat), arrays)
-    return (strategy or kd.get_strategy()).experimental_make_numpy_dataset(arrays).batch(
-        batch_size
-    )
+    return (strategy or kd.get_strategy()).experimental_make_numpy_dataset(arrays).batch(batch_size)
 
 
 def correctness_test_inputs(

@@ -49,7 +49,9 @@ def known_failure(key: str):
 
 def pytest_collection_modifyitems(config, items):
     full = _runs_the_full_port(config)
-    skip_full = pytest.mark.skip(reason="part of the full tf-keras port: pytest " + str(HERE))
+    skip_full = pytest.mark.skip(
+        reason="part of the full tf-keras port: python -m pytest tests/parity/tf_keras"
+    )
     for item in items:
         path = pathlib.Path(str(item.fspath)).resolve()
         if path.parent != HERE:

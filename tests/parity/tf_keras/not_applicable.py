@@ -6,7 +6,8 @@ for some of its combinations and not others lists the left-out combinations here
 
 _TPU = "TPUStrategy combination: no TPU in CI (TPUStrategy has its own tests, tests/core)"
 _MWMS = (
-    "MultiWorkerMirroredStrategy combination: needs processes; covered by tests/multiprocess"
+    "MultiWorkerMirroredStrategy combination: needs processes; fit and custom loops on two "
+    "workers against one device are covered by tests/multiprocess/test_multi_worker.py"
 )
 _GRAPH = "graph mode (tf.compat.v1 / Graph().as_default()): JAX has no graph mode"
 
@@ -41,7 +42,19 @@ NOT_APPLICABLE = {
     # keras_metrics_test.py
     "keras_metrics_test.py::testMean[tpu]": _TPU,
     "keras_metrics_test.py::testMean[mode=graph]": _GRAPH,
-    "keras_metrics_test.py::testAddMetric": (
-        "Layer.add_metric is Keras 2 only (Keras 3 has none)"
+    "keras_metrics_test.py::testAddMetric": ("Layer.add_metric is Keras 2 only (Keras 3 has none)"),
+    # custom_training_loop_models_test.py
+    "custom_training_loop_models_test.py::KerasModelsTest[multiworker]": _MWMS,
+    "custom_training_loop_models_test.py::KerasModelsTest[tpu]": _TPU,
+    "custom_training_loop_models_test.py::test_customized_tf_module_run": (
+        "tf.Module (name scopes, variable tracking) is TensorFlow's; keras_dist models are "
+        "Keras layers and models"
+    ),
+    "custom_training_loop_models_test.py::"
+    "test_nested_tf_functions_with_tf_function_passing_to_strategy_run": (
+        "skipped in tf-keras itself (b/190608193)"
+    ),
+    "custom_training_loop_models_test.py::KerasModelsXLATest::test_tf_function_jit_compile": (
+        _TPU + "; tf.function(jit_compile=True) in a layer's call: every step is XLA-compiled"
     ),
 }

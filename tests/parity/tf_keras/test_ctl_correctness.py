@@ -160,7 +160,9 @@ OPTIMIZERS = [
 
 
 @pytest.mark.parametrize("sync_batchnorm", [True, False], ids=["sync_bn", "bn"])
-@pytest.mark.parametrize("inside_func", [False, True], ids=["outside", "inside"])
+@pytest.mark.parametrize(
+    "inside_func", [False, pytest.param(True, marks=FULL)], ids=["outside", "inside"]
+)
 @pytest.mark.parametrize("iteration_type", ["iterator", "dataset"])
 @pytest.mark.parametrize("optimizer_fn", OPTIMIZERS)
 @pytest.mark.parametrize("strategy", params(ALL, ci=["mirrored2"]), indirect=True)
