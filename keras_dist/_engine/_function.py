@@ -34,8 +34,6 @@ from keras_dist import _context
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._context import InputReadInTrace
 from keras_dist._engine._function_key import FunctionKey
-from keras_dist._engine._function_key import global_reads
-from keras_dist._engine._function_key import static_key
 from keras_dist._engine._function_outputs import flatten_outputs
 from keras_dist._engine._function_placement import for_trace
 from keras_dist._engine._function_program import FunctionProgram
@@ -43,6 +41,7 @@ from keras_dist._engine._function_state import keep_sharding
 from keras_dist._engine._function_state import state_value as _state_value
 from keras_dist._engine._inline import FunctionScope
 from keras_dist._engine._inline import FunctionTrace
+from keras_dist._engine._key_parts import static_key
 from keras_dist._engine._next_element import ReadCounts
 from keras_dist._engine._next_element import ReadsMore
 from keras_dist._engine._next_element import TooManyReads
@@ -51,6 +50,7 @@ from keras_dist._engine._next_element import is_argument_leaf
 from keras_dist._engine._next_element import put_back
 from keras_dist._engine._next_element import with_next_elements
 from keras_dist._engine._program_reuse import ProgramFingerprint
+from keras_dist._engine._python_reads import global_reads
 from keras_dist._engine._retracing import RetraceMonitor
 from keras_dist._engine._state_layout import StateLayout
 from keras_dist._engine._tensorflow_calls import explains_tensorflow_calls

@@ -17,7 +17,7 @@ import numpy as np
 
 from keras_dist._context import InputReadInTrace
 from keras_dist._context import current_function_trace
-from keras_dist._engine._function_key import static_key
+from keras_dist._engine._key_parts import static_key
 from keras_dist._input import DistributedIterator
 from keras_dist._jax_trace import refuse_foreign_trace
 from keras_dist._keras import KerasVariable

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from keras_dist import _context
-from keras_dist._engine._function_key import static_key
+from keras_dist._engine._key_parts import static_key
 from keras_dist._keras import initialize_pending_variables
 from keras_dist._keras import pending_variables
 from keras_dist._keras import variable_has_value

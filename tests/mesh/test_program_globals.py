@@ -109,3 +109,49 @@ def test_a_scheduled_function_sees_a_changed_global():
         assert results == [1.0, 2.0, 3.0]
     finally:
         coordinator.stop()
+
+
+class _Scaler:
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.scale = 1.0
+
+    def replica_fn(self, x):
+        return x * self.scale
+
+
+def test_run_of_a_method_sees_a_changed_attribute():
+    strategy = kd.MirroredStrategy(cpus(2))
+    scaler = _Scaler(strategy)
+    results = []
+    for value in (1.0, 2.0, 2.0):
+        scaler.scale = value
+        results.append(_mean(strategy, strategy.run(scaler.replica_fn, args=(ONE,))))
+    assert results == [1.0, 2.0, 2.0]
+    assert strategy.extended._compiled.trace_count == 2
+
+
+def test_a_closure_sees_a_changed_attribute_of_what_it_captures():
+    strategy = kd.MirroredStrategy(cpus(2))
+    scaler = _Scaler(strategy)
+    results = []
+    for value in (3.0, 4.0):
+        scaler.scale = value
+        results.append(_mean(strategy, strategy.run(lambda x: x * scaler.scale, args=(ONE,))))
+    assert results == [3.0, 4.0]
+
+
+class _Config:
+    scale = 1.0
+
+
+config = _Config()
+
+
+def test_a_changed_attribute_of_a_global_object_counts():
+    strategy = kd.MirroredStrategy(cpus(2))
+    results = []
+    for value in (1.0, 6.0):
+        config.scale = value
+        results.append(_mean(strategy, strategy.run(lambda x: x * config.scale, args=(ONE,))))
+    assert results == [1.0, 6.0]

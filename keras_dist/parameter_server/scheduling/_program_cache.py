@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_dist._engine._function_key import FunctionKey
-from keras_dist._engine._function_key import static_key
+from keras_dist._engine._key_parts import static_key
 from keras_dist._keras import on_unbuilt_apply
 from keras_dist._keras import routing_gradients
 from keras_dist._keras import variable_has_value

@@ -1,0 +1,177 @@
+"""What a function reads from Python besides its arguments, as a part of its program's key.
+
+TF's ``strategy.run`` outside ``tf.function`` runs eagerly, and a new ``tf.function``
+traces anew: each sees the Python values its code reads now. keras_dist compiles
+``run`` and keeps the program, so the program's key holds those values:
+
+* the module globals the function's code names (its nested functions' and lambdas'
+  code included), and those the same module's functions it names read in turn;
+* the scalar attributes (numbers, strings, enums, ``None``) its code names of the
+  objects it reaches: the objects it captures, the object a method is bound to and
+  the objects among those globals (``self.scale``, ``config.scale``).
+
+A value is compared as a key part (``_key_parts``). Reading the values is a
+dictionary look-up a name, and while each is the very object it was, the part is the
+same object as before: a loop's step pays no more.
+
+>>> import types
+>>> module = {"scale": 1.0}
+>>> fn = types.FunctionType((lambda x: x * scale).__code__, module)
+>>> reads = global_reads(fn)
+>>> first = reads.part()
+>>> reads.part() is first
+True
+>>> module["scale"] = 2.0
+>>> reads.part() == first
+False
+"""
+
+import enum
+import operator
+import types
+
+import numpy as np
+
+from keras_dist._engine._key_parts import Contents
+from keras_dist._engine._key_parts import static_key
+
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), enum.Enum, np.generic)
+_UNSET = object()  # a name not (yet) defined
+_MAX_HELPERS = 32  # same-module functions followed for the globals they read
+_MAX_READS = 1024  # functions whose global reads are kept
+
+
+class Slots:
+    """Named slots of namespaces (``(dict, name)``) whose values form one key part."""
+
+    __slots__ = ("_slots", "_readers", "_values", "_part")
+
+    def __init__(self, slots):
+        self._slots = tuple(slots)
+        namespaces = {}
+        for namespace, name in self._slots:
+            namespaces.setdefault(id(namespace), (namespace, []))[1].append(name)
+        # One C-level read of all of a namespace's names (``itemgetter``): a step's cost.
+        self._readers = [_reader(namespace, names) for namespace, names in namespaces.values()]
+        self._values = None
+        self._part = None
+
+    @property
+    def values(self) -> tuple:
+        """The slots' values now."""
+        try:
+            if len(self._readers) == 1:
+                return self._readers[0]()
+            return tuple(value for read in self._readers for value in read())
+        except KeyError:  # (a name deleted, or not yet defined)
+            return tuple(namespace.get(name, _UNSET) for namespace, name in self._slots)
+
+    def part(self, values=None):
+        """The slots' values now (or ``values``) as one comparable part."""
+        if not self._slots:
+            return _NOTHING_READ
+        values = self.values if values is None else values
+        last = self._values
+        if last is not None and all(map(operator.is_, values, last)):
+            return self._part
+        names = tuple(name for _, name in self._slots)
+        part = Contents(tuple, names, tuple(static_key(value) for value in values))
+        # A list or dict may change in place: compared by what it holds on every call.
+        mutable = any(isinstance(value, (list, dict)) for value in values)
+        self._values, self._part = (None if mutable else values), part
+        return part
+
+
+def _reader(namespace, names):
+    get = operator.itemgetter(*names)
+    if len(names) == 1:
+        return lambda: (get(namespace),)
+    return lambda: get(namespace)
+
+
+_NOTHING_READ = Contents(tuple, (), ())
+
+
+class GlobalReads:
+    """A function's module globals (and the scalar attributes its code names of the objects
+    among them), made once per code and module by ``global_reads``."""
+
+    __slots__ = ("names", "_globals", "_attributes", "_last")
+
+    def __init__(self, fn):
+        self.names, slots = _global_names(fn)
+        self._globals = Slots(slots)
+        self._attributes = None  # for the objects the globals held when last read
+        self._last = (None, None, None)  # (globals' part, attributes' part, both)
+
+    def part(self):
+        """The globals' values now (and those attributes'), as one comparable part."""
+        values = self._globals.values
+        globals_part = self._globals.part(values)
+        last_globals, last_attributes, last = self._last
+        if self._attributes is None or globals_part is not last_globals:
+            self._attributes = attribute_slots(self.names, values)
+        attributes_part = self._attributes.part()
+        if globals_part is last_globals and attributes_part is last_attributes:
+            return last
+        both = Contents(tuple, None, (globals_part, attributes_part))
+        self._last = (globals_part, attributes_part, both)
+        return both
+
+
+def global_reads(fn) -> GlobalReads:
+    """``fn``'s ``GlobalReads``, made once per code and module."""
+    key = (fn.__code__, id(fn.__globals__))
+    reads = _reads_by_code.get(key)
+    if reads is None:
+        if len(_reads_by_code) >= _MAX_READS:
+            _reads_by_code.pop(next(iter(_reads_by_code)))
+        reads = _reads_by_code[key] = GlobalReads(fn)
+    return reads
+
+
+_reads_by_code: dict = {}
+
+
+def attribute_slots(names, objects) -> Slots:
+    """The slots of the scalar attributes named in ``names`` of each of ``objects``."""
+    slots = []
+    for obj in objects:
+        namespace = getattr(obj, "__dict__", None)
+        if not isinstance(namespace, dict) or isinstance(obj, (type, types.FunctionType)):
+            continue  # (a class's or a function's attributes are its code's, not state)
+        slots += [
+            (namespace, name)
+            for name in names
+            if name in namespace and isinstance(namespace[name], _SCALARS)
+        ]
+    return Slots(slots)
+
+
+def _global_names(fn) -> tuple:
+    """The names ``fn``'s code (and its module's functions it names) loads, and the
+    ``(module globals, name)`` slot of each that is a global."""
+    namespace = fn.__globals__
+    names, found, seen_code, pending = set(), {}, set(), [fn.__code__]
+    while pending and len(seen_code) < _MAX_HELPERS:
+        code = pending.pop()
+        if code in seen_code:
+            continue
+        seen_code.add(code)
+        for name in _code_names(code):
+            names.add(name)
+            if name not in namespace or name in found:
+                continue
+            found[name] = (namespace, name)
+            value = namespace[name]
+            if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
+                pending.append(value.__code__)  # a helper of the same module
+    return frozenset(names), tuple(found.values())
+
+
+def _code_names(code):
+    """The names ``code`` and the code objects nested in it load (globals among them)."""
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_names(const)
