@@ -52,11 +52,12 @@ def _hashable(value) -> bool:
 class Contents:
     """A container compared by its type, its keys (a dict's) and the parts of what it holds."""
 
-    __slots__ = ("_key", "_parts")
+    __slots__ = ("_key", "_parts", "_hash")
 
     def __init__(self, kind, keys, parts: tuple):
         self._parts = parts
         self._key = (kind, keys, parts)
+        self._hash = hash(self._key)  # (a program's key is hashed at every call)
 
     @property
     def key(self) -> tuple:
@@ -68,10 +69,12 @@ class Contents:
         return all(part.alive for part in self._parts)
 
     def __hash__(self):
-        return hash(self._key)
+        return self._hash
 
     def __eq__(self, other):
-        return isinstance(other, Contents) and self._key == other.key
+        return isinstance(other, Contents) and (
+            self is other or (self._hash == hash(other) and self._key == other.key)
+        )
 
 
 def static_key(value):

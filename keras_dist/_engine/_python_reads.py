@@ -57,6 +57,11 @@ class Slots:
         self._part = None
 
     @property
+    def slots(self) -> tuple:
+        """The ``(namespace, name)`` slots."""
+        return self._slots
+
+    @property
     def values(self) -> tuple:
         """The slots' values now."""
         try:
@@ -106,6 +111,8 @@ class GlobalReads:
 
     def part(self):
         """The globals' values now (and those attributes'), as one comparable part."""
+        if self._attributes is not None and not self._globals.slots:
+            return self._last[2]  # (no global read: nothing can change)
         values = self._globals.values
         globals_part = self._globals.part(values)
         last_globals, last_attributes, last = self._last
