@@ -128,7 +128,7 @@ def _global_weighted_mean(values, sample_weight):
             'A loss with `reduction="mean_with_sample_weight"` divides by the sample '
             "weights of the whole global batch, which `fit` needs every replica in one "
             "compiled program for: that is not possible for a batch whose rows do not split "
-            "evenly between the replicas, nor with `run_eagerly=True`. Make every global "
+            "evenly between the replicas. Make every global "
             "batch (the last one included) a multiple of the replica count, e.g. with "
             '`drop_remainder=True`, or use `reduction="sum_over_batch_size"`. Received: '
             f"a replica of {replica_context.num_replicas_in_sync} with its own shapes "

@@ -6,6 +6,8 @@ Expected values are TF's (its collective_all_reduce_strategy, input and multi-wo
 tests) or a single device's.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -842,6 +844,27 @@ def _keras_correctness_worker():
     ones = np.ones((2, 1), "float32")
     regularized.fit(ones, ones, batch_size=2, verbose=0)
     results["85"] = float(regularized.get_weights()[0])
+    # tf-keras's loss reductions: a "sum" loss is the global batch's sum (6.30027), and
+    # "mean_with_sample_weight" divides by the whole global batch's weights.
+    rng = np.random.RandomState(1337)
+    x10, y10 = rng.random_sample((64, 10)), rng.random_sample((64, 1))
+    sample_weight = rng.random_sample((64,))
+    for reduction, weights in (("sum", None), ("mean_with_sample_weight", sample_weight)):
+        runs = []
+        for scope in (strategy.scope(), contextlib.nullcontext()):
+            with scope:
+                inputs = keras.Input((10,))
+                hidden = keras.layers.Dense(10, kernel_initializer="zeros")(inputs)
+                hidden = keras.layers.Dense(10, kernel_initializer="zeros")(hidden)
+                model = keras.Model(
+                    inputs, keras.layers.Dense(1, kernel_initializer="zeros")(hidden)
+                )
+                model.compile("sgd", loss=keras.losses.MeanSquaredError(reduction=reduction))
+            history = model.fit(
+                x10, y10, sample_weight=weights, batch_size=32, shuffle=False, verbose=0
+            )
+            runs.append(history.history["loss"] + [float(w.sum()) for w in model.get_weights()])
+        results[reduction] = runs
     return results
 
 
@@ -851,6 +874,10 @@ def test_keras_correctness_cases_on_two_workers_match_tf():
         assert result["84"] == pytest.approx(10.625, rel=1e-6)
         assert result["84_unweighted"] == pytest.approx(13.5, rel=1e-6)
         assert result["85"] == -1.0
+        for reduction in ("sum", "mean_with_sample_weight"):
+            distributed, one_device = result[reduction]
+            np.testing.assert_allclose(distributed, one_device, rtol=1e-5, atol=1e-7)
+        assert result["sum"][0][0] == pytest.approx(6.30027, rel=1e-5)
 
 
 def test_keras_dist_launch_runs_the_multi_worker_example(tmp_path):
