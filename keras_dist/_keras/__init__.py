@@ -21,8 +21,10 @@ from keras_dist._keras._internals import check as check_keras_internals
 from keras_dist._keras._internals import get_data_adapter as get_data_adapter
 from keras_dist._keras._layers import building_batch_norm as building_batch_norm
 from keras_dist._keras._layers import install_layer_hooks
+from keras_dist._keras._loss_reductions import global_sample_weights as global_sample_weights
 from keras_dist._keras._loss_reductions import install_loss_hooks
 from keras_dist._keras._loss_reductions import needs_every_replica as needs_every_replica
+from keras_dist._keras._loss_reductions import recording_sample_weights as recording_sample_weights
 from keras_dist._keras._loss_reductions import replica_batch_share as replica_batch_share
 from keras_dist._keras._model import compute_loss_and_updates as compute_loss_and_updates
 from keras_dist._keras._model import keras_update_metrics as keras_update_metrics

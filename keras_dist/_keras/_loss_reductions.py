@@ -13,7 +13,8 @@ in two settings:
   loss is therefore left as it is; a ``"sum"`` loss, a sum over the global batch,
   becomes the replica's sum divided by its share (the tracker's average and the
   gradient's sum then both give the global sum); ``"mean_with_sample_weight"``
-  divides by the sample weights of the whole global batch (one all-reduce).
+  divides by the sample weights of the whole global batch (one all-reduce, or the
+  sums a first pass over every replica's rows found: ``global_sample_weights``).
 * In a custom loop's replica (``strategy.run``), a mean-type loss is divided by
   ``num_replicas_in_sync``, as Keras on TensorFlow divides it, so that the sum of the
   replicas' gradients is the global batch's mean gradient; a ``"sum"`` loss is left
@@ -40,6 +41,8 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 class _BatchShare(threading.local):
     def __init__(self):
         self.value = None  # this replica's rows over the global batch's, in fit's steps
+        self.weights = None  # the global batch's weight sums to divide by, in call order
+        self.recorded = None  # the list a first pass records the replica's weight sums in
 
 
 _share = _BatchShare()
@@ -57,6 +60,19 @@ def replica_batch_share(share):
     4.0
     """
     return set_for_block(_share, "value", share)
+
+
+def recording_sample_weights(recorded: list):
+    """Within, each ``mean_with_sample_weight`` loss reduced under ``replica_batch_share``
+    appends its rows' sample-weight sum to ``recorded`` (a first pass over a replica's rows,
+    for steps that cannot all-reduce: ``global_sample_weights``)."""
+    return set_for_block(_share, "recorded", recorded)
+
+
+def global_sample_weights(sums):
+    """Within, the ``mean_with_sample_weight`` losses divide by ``sums``: the global batch's
+    sample-weight sums, one a loss in the order they are reduced (no collective)."""
+    return set_for_block(_share, "weights", None if sums is None else iter(sums))
 
 
 def _custom_loop_replicas() -> int:
@@ -110,13 +126,18 @@ def _wrap_reduce_values(original):
 def _global_weighted_mean(values, sample_weight):
     """The replica's weighted sum over the sample weights of every replica's rows."""
     replica_context = _context.running_replica_context()
-    if replica_context is None:
+    if replica_context is None and _share.recorded is None and _share.weights is None:
         raise RuntimeError(
             "A `mean_with_sample_weight` loss in a replica step needs the other replicas' "
             "sample weights, and this step runs outside any replica context."
         )
     total = ops.sum(values)
     weight = ops.cast(ops.sum(sample_weight), total.dtype)
+    if _share.recorded is not None:
+        _share.recorded.append(weight)
+        return ops.divide_no_nan(total, weight)
+    if _share.weights is not None:
+        return ops.divide_no_nan(total, ops.cast(next(_share.weights), total.dtype))
     if replica_context.num_replicas_in_sync == 1:
         return ops.divide_no_nan(total, weight)
     try:
@@ -126,9 +147,9 @@ def _global_weighted_mean(values, sample_weight):
         # the gradient Keras's step takes of its loss (the engine refuses it).
         raise ValueError(
             'A loss with `reduction="mean_with_sample_weight"` divides by the sample '
-            "weights of the whole global batch, which `fit` needs every replica in one "
-            "compiled program for: that is not possible for a batch whose rows do not split "
-            "evenly between the replicas. Make every global "
+            "weights of the whole global batch, which a model's own `train_step` cannot "
+            "all-reduce inside its gradient on a batch whose rows do not split evenly "
+            "between the replicas. Make every global "
             "batch (the last one included) a multiple of the replica count, e.g. with "
             '`drop_remainder=True`, or use `reduction="sum_over_batch_size"`. Received: '
             f"a replica of {replica_context.num_replicas_in_sync} with its own shapes "

@@ -21,13 +21,16 @@ engine instead (slower, same numbers).
 import functools
 
 import jax
+import numpy as np
 
 from keras_dist._input import batch_rows
 from keras_dist._keras import compute_loss_and_updates
+from keras_dist._keras import global_sample_weights
 from keras_dist._keras import keras_update_metrics
 from keras_dist._keras import model_layers
 from keras_dist._keras import needs_every_replica
 from keras_dist._keras import overrides_keras_step
+from keras_dist._keras import recording_sample_weights
 from keras_dist._keras import replica_batch_share
 from keras_dist._keras import unpack_x_y_sample_weight as _unpack
 from keras_dist._values import select_replica
@@ -44,11 +47,9 @@ class PerShapeSteps:
         self._jitted: dict = {}
 
     def supports(self, model) -> bool:
-        """Keras's own steps, and no layer or loss that needs the other replicas' rows."""
+        """Keras's own steps, and no layer that needs the other replicas' rows."""
         if any(isinstance(layer, SyncBatchNormalization) for layer in model_layers(model)):
             return False  # its statistics need a collective: the eager engine says so
-        if needs_every_replica(model):
-            return False  # (a loss over the global batch's sample weights: the same)
         return not overrides_keras_step(model)
 
     def _jit(self, name, fn):
@@ -74,6 +75,7 @@ class PerShapeSteps:
         update_metrics = self._jit("metrics", functools.partial(keras_update_metrics, model))
         apply = self._jit("apply", model.optimizer.stateless_apply)
         target = self.extended.local_devices[0]
+        weights = self._global_weight_sums(split)
         summed, auxes, datas = None, [], []
         for index in range(n):
             data = select_replica(index, split)
@@ -85,6 +87,7 @@ class PerShapeSteps:
                 self._values(model.optimizer.variables, index),
                 data,
                 rows / global_rows,
+                weights,
             )
             grads = jax.device_put(grads, target)
             summed = (
@@ -116,6 +119,7 @@ class PerShapeSteps:
         # Not ``model.test_step`` itself: JAX's trace cache takes two bound methods of one
         # model as the same function, and a recompiled model's metrics are new.
         test_step = self._jit("test", functools.partial(_test_step, model))
+        weights = self._global_weight_sums(split)
         for index in range(self.extended.num_local_replicas):
             state = (
                 self._values(model.trainable_variables, index),
@@ -123,22 +127,55 @@ class PerShapeSteps:
                 self._values(model.metrics_variables, index),
             )
             data = select_replica(index, split)
-            _, (_, non_trainable, metrics) = test_step(state, data, batch_rows(data) / global_rows)
+            share = batch_rows(data) / global_rows
+            _, (_, non_trainable, metrics) = test_step(state, data, share, weights)
             self._assign_component(model.non_trainable_variables, index, non_trainable)
             self._assign_component(model.metrics_variables, index, metrics)
         return model.get_metrics_result()
 
+    def _global_weight_sums(self, split):
+        """The global batch's sample-weight sums of its ``mean_with_sample_weight`` losses, in
+        the order they are reduced: a first pass over every replica's rows (``None`` where the
+        model has no such loss). The replicas' steps then divide by them, as one device does."""
+        model = self.model
+        if not needs_every_replica(model):
+            return None
+        record = self._jit("weights", functools.partial(_weight_sums, model))
+        target = self.extended.local_devices[0]
+        total = None
+        for index in range(self.extended.num_local_replicas):
+            sums = record(
+                self._values(model.trainable_variables, index),
+                self._values(model.non_trainable_variables, index),
+                self._values(model.metrics_variables, index),
+                select_replica(index, split),
+            )
+            sums = jax.device_put(sums, target)
+            total = sums if total is None else jax.tree_util.tree_map(jax.numpy.add, total, sums)
+        # On the host: each replica's step takes them on its own device.
+        return [np.asarray(x) for x in self.extended.placement.cross_process_sum(total)]
 
-def _test_step(model, state, data, share):
-    with replica_batch_share(share):
+
+def _weight_sums(model, trainable, non_trainable, metrics, data):
+    x, y, sample_weight = _unpack(data)
+    recorded = []
+    with replica_batch_share(1.0), recording_sample_weights(recorded):
+        compute_loss_and_updates(
+            model, trainable, non_trainable, metrics, x, y, sample_weight, training=False
+        )
+    return recorded
+
+
+def _test_step(model, state, data, share, weights):
+    with replica_batch_share(share), global_sample_weights(weights):
         return model.test_step(state, data)
 
 
-def _grad_step(model, trainable, non_trainable, metrics, optimizer_values, data, scale):
+def _grad_step(model, trainable, non_trainable, metrics, optimizer_values, data, scale, weights):
     x, y, sample_weight = _unpack(data)
 
     def loss_fn(trainable):
-        with replica_batch_share(scale):
+        with replica_batch_share(scale), global_sample_weights(weights):
             loss, aux = compute_loss_and_updates(
                 model,
                 trainable,

@@ -42,6 +42,7 @@ from keras_dist._input import batch_rows
 from keras_dist._input import densify
 from keras_dist._keras import compiled_under
 from keras_dist._keras import execution_batches
+from keras_dist._keras import needs_every_replica
 from keras_dist._keras import replica_batch_share
 from keras_dist._keras import step_state
 from keras_dist._keras import step_variables
@@ -300,15 +301,14 @@ class DistributedSteps:
             self._repeated.learn(name, data, fn, args)
 
     def _runs_uneven_steps(self) -> bool:
-        """Whether an uneven batch runs as per-shape programs (not while debugging).
-
-        Not on one process's CPU devices: there ``strategy.run``'s uneven engine (one
-        program of every replica, on the first device) is 3x faster, and the devices
-        share the cores anyway. On accelerators each replica's program runs on its own.
-        """
-        if self._runs_eagerly() or uneven_in_one_program(self.strategy.extended):
+        """Whether an uneven batch runs as per-shape programs (not while debugging). Not on
+        one process's CPU devices, where ``strategy.run``'s uneven engine (one program of
+        every replica) is 3x faster, unless a global weighted-mean loss needs them (that
+        program cannot all-reduce inside its gradient). On accelerators, always."""
+        if self._runs_eagerly() or not self._uneven.supports(self.model):
             return False
-        return self._uneven.supports(self.model)
+        one = uneven_in_one_program(self.strategy.extended)
+        return not one or needs_every_replica(self.model)
 
     def _replica_train_step(self, data, global_rows):
         return self._replica_train_steps([data], [global_rows])

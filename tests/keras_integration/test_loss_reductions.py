@@ -85,7 +85,7 @@ def test_fit_equals_one_device_for_every_reduction(reduction, replicas):
     _assert_same(expected, actual)
 
 
-@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size"])
+@pytest.mark.parametrize("reduction", ["sum", "sum_over_batch_size", "mean_with_sample_weight"])
 def test_uneven_last_batch_equals_one_device(reduction):
     # 70 rows: batches of 32, 32 and 6 (6 rows split 2/2/1/1 over 4 replicas).
     expected = _fit(None, reduction, rows=70, sample_weight=True)
@@ -93,9 +93,20 @@ def test_uneven_last_batch_equals_one_device(reduction):
     _assert_same(expected, actual)
 
 
-def test_uneven_last_batch_of_a_global_weighted_mean_says_how_to_fix():
+def test_uneven_global_weighted_mean_in_a_custom_train_step_says_how_to_fix():
+    # A model's own train_step runs an uneven batch on strategy.run's engines, whose
+    # replicas cannot all-reduce the sample weights inside the gradient.
+    class OwnStep(keras.Model):
+        def train_step(self, state, data):
+            return super().train_step(state, data)
+
+    x, y, weights = _data(70)
+    with kd.MirroredStrategy(cpus(4)).scope():
+        inputs = keras.Input((10,))
+        model = OwnStep(inputs, keras.layers.Dense(1)(inputs))
+        model.compile("sgd", keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
     with pytest.raises(ValueError, match="drop_remainder=True"):
-        _fit(kd.MirroredStrategy(cpus(4)), "mean_with_sample_weight", rows=70, sample_weight=True)
+        model.fit(x, y, sample_weight=weights, batch_size=32, shuffle=False, verbose=0)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean_with_sample_weight"])
