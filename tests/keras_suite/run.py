@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from keras_sources import SUITE_FOLDERS  # noqa: E402
 from keras_sources import keras_version  # noqa: E402
 from keras_sources import test_sources  # noqa: E402
 from known_differences import KNOWN_DIFFERENCES  # noqa: E402
+from multi_worker import run_on_workers  # noqa: E402
 from strategy_plugin import STRATEGIES  # noqa: E402
 
 PER_PROCESS_TIMEOUT_S = 3600
@@ -49,7 +51,7 @@ def run_pytest(
             KERAS_DIST_SUITE_REPORT=str(report),
             PYTHONPATH=os.pathsep.join([str(HERE), str(sources), env.get("PYTHONPATH", "")]),
         )
-        # The plugin asks for 4 simulated devices; a count inherited from a caller (our
+        # The plugin asks for its simulated devices; a count inherited from a caller (our
         # own conftest sets 8) would win or clash.
         env["XLA_FLAGS"] = re.sub(
             r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")
@@ -70,11 +72,15 @@ def run_pytest(
             "console_output_style=classic",
             "--timeout=600",
             "--continue-on-collection-errors",
-            # pytest-xdist's workers each load the plugin (and so the strategy) themselves.
-            *(["-n", str(jobs)] if jobs > 1 else []),
-            *targets,
         ]
         print(f"[{strategy}] {len(targets)} target(s)", flush=True)
+        if strategy == "multi_worker_mirrored":
+            # Both workers run the same tests in the same order; a test stuck outside
+            # Python (a collective) ends its process rather than the run.
+            command += ["-p", "no:randomly", "--timeout-method=thread", *targets]
+            return run_on_workers(command, env, sources, PER_PROCESS_TIMEOUT_S)
+        # pytest-xdist's workers each load the plugin (and so the strategy) themselves.
+        command += [*(["-n", str(jobs)] if jobs > 1 else []), *targets]
         completed = subprocess.run(
             command,
             cwd=sources,
@@ -140,6 +146,8 @@ def main(argv=None) -> int:
         help="take the plain outcomes from an earlier --json file instead of running them",
     )
     args = parser.parse_args(argv)
+    # Killed with SIGTERM, the run still stops its pytest processes (``finally`` blocks).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     sources = test_sources()
     strategies = [s for s in args.strategies if s != "plain"]
