@@ -9,6 +9,11 @@ _MWMS = (
     "MultiWorkerMirroredStrategy combination: needs processes; fit and custom loops on two "
     "workers against one device are covered by tests/multiprocess/test_multi_worker.py"
 )
+_V1 = (
+    "tf-keras's v1 training loop (distributed_training_utils_v1.get_input_params): Keras 3 "
+    "computes the steps, keras_dist takes global batch sizes"
+)
+_ADD_METRIC = "Layer.add_metric is Keras 2 only (Keras 3 has none)"
 _GRAPH = "graph mode (tf.compat.v1 / Graph().as_default()): JAX has no graph mode"
 
 NOT_APPLICABLE = {
@@ -56,5 +61,71 @@ NOT_APPLICABLE = {
     ),
     "custom_training_loop_models_test.py::KerasModelsXLATest::test_tf_function_jit_compile": (
         _TPU + "; tf.function(jit_compile=True) in a layer's call: every step is XLA-compiled"
+    ),
+    # distribute_strategy_test.py
+    "distribute_strategy_test.py::test_calculating_input_params_no_steps_no_batch_size": _V1,
+    "distribute_strategy_test.py::test_calculating_input_params_with_steps_no_batch_size": _V1,
+    "distribute_strategy_test.py::test_calculating_input_params_no_steps_with_batch_size": _V1,
+    "distribute_strategy_test.py::test_calculating_input_params_with_steps_with_batch_size": _V1,
+    "distribute_strategy_test.py::*[tpu]": (
+        _TPU + "; the TPU-only partial-batch tests run on the local strategies"
+    ),
+    "distribute_strategy_test.py::*[multi_worker_mirrored]": _MWMS,
+    "distribute_strategy_test.py::*[mode=graph]": _GRAPH,
+    "distribute_strategy_test.py::test_fit_eval_and_predict_with_optimizer[v1_optimizers]": (
+        "tf.compat.v1.train optimizers are TF1's; the Keras v2 ones run as Keras 3's"
+    ),
+    "distribute_strategy_test.py::test_on_dataset_with_unknown_cardinality": (
+        "TPU graph mode only, expecting tf-keras's 'Number of steps could not be inferred'; "
+        "Keras 3 reads data of unknown size to its end"
+    ),
+    "distribute_strategy_test.py::test_host_training_loop_dataset_unknown_size[no_steps_raises]": (
+        "expects a ValueError for steps_per_execution on data of unknown size; Keras 3 reads "
+        "it to its end (the part with steps is ported)"
+    ),
+    "distribute_strategy_test.py::test_distributed_dataset[finite_without_steps_raises]": (
+        "TF raised for any distributed dataset without steps on several replicas; keras_dist "
+        "knows a finite one's length and reads it (an endless one raises, ported)"
+    ),
+    "distribute_strategy_test.py::test_gradient_clipping[central_storage]": (
+        "expects 'not supported' (tf-keras's legacy optimizer could not clip under "
+        "CentralStorageStrategy); keras_dist clips: ported with the clipped values"
+    ),
+    "distribute_strategy_test.py::test_custom_gradient_transformation": (
+        "gradient_transformers is a Keras 2 optimizer argument (Keras 3 has none)"
+    ),
+    "distribute_strategy_test.py::test_distribution_strategy_with_add_metric_in_call": _ADD_METRIC,
+    "distribute_strategy_test.py::test_distribution_strategy_with_add_metric_object": _ADD_METRIC,
+    "distribute_strategy_test.py::test_distribution_strategy_with_add_metric_outside_call": (
+        _ADD_METRIC
+    ),
+    "distribute_strategy_test.py::TestDistributionStrategyWithMultipleAddLossAndMetricCalls": (
+        _ADD_METRIC + "; symbolic model.add_loss and get_output_at too"
+    ),
+    "distribute_strategy_test.py::test_sparse_tensor_outputs": (
+        "a layer returning tf.SparseTensor: TensorFlow's type, JAX models return arrays"
+    ),
+    "distribute_strategy_test.py::test_ragged_tensor_outputs": (
+        "a layer returning tf.RaggedTensor: TensorFlow's type, JAX has no ragged arrays"
+    ),
+    "distribute_strategy_test.py::test_unimplemented_parameter_server_strategy": (
+        "tf.compat.v1 ParameterServerStrategy (TF1's, expected to raise NotImplementedError)"
+    ),
+    "distribute_strategy_test.py::"
+    "test_predict_on_dataset_shard_options_file_multi_worker_mirrored": (
+        _MWMS + "; TFRecord files"
+    ),
+    "distribute_strategy_test.py::TestModelCapturesStrategy::test_optimizer[v2_optimizer]": (
+        "the part for tf-keras's V2 optimizer (restored outside the scope); Keras 3's "
+        "optimizer, tf-keras's V3, is ported"
+    ),
+    # dataset_creator_model_fit_test.py
+    "dataset_creator_model_fit_test.py::DatasetCreatorModelFitTest[multi_worker_mirrored]": _MWMS,
+    "dataset_creator_model_fit_test.py::DatasetCreatorModelFitTest[parameter_server]": (
+        "ParameterServerStrategy combination: needs a cluster of processes; fit with a "
+        "DatasetCreator there is covered by tests/parameter_server"
+    ),
+    "dataset_creator_model_fit_test.py::testModelTrainTFFunction": (
+        "model.train_tf_function is a tf.function (TensorFlow's); keras_dist compiles with JAX"
     ),
 }
