@@ -6,6 +6,7 @@ variables (creation policy), scopes (state threading), optimizer, trainer,
 layers, saving, and the pieces of Keras's train step (``_model``).
 """
 
+from keras_dist._keras._callbacks import HoldsResources as HoldsResources
 from keras_dist._keras._callbacks import checkpoint_batch_count as checkpoint_batch_count
 from keras_dist._keras._callbacks import (
     checkpoint_batch_count_through as checkpoint_batch_count_through,

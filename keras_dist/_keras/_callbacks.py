@@ -1,4 +1,12 @@
-"""What Keras's ``ModelCheckpoint`` keeps to itself, read and set for ``BackupAndRestore``.
+"""Callbacks and Keras's loops: what they hold when a loop fails, and Keras's private counts.
+
+Keras calls a callback's end hooks (``on_train_end``, ``on_test_end``,
+``on_predict_end``) only when its loop returns. A callback that holds writers,
+threads or files from its begin hook on is a ``HoldsResources``: when ``fit``,
+``evaluate`` or ``predict`` raises, the trainer hooks call its
+``release_resources`` instead (``release_after_error``).
+
+What Keras's ``ModelCheckpoint`` keeps to itself, read and set for ``BackupAndRestore``:
 
 A resumed ``fit`` builds new callbacks. To save at the batches and compare with the
 best value an uninterrupted run would, a ``ModelCheckpoint`` needs back its direction
@@ -16,7 +24,12 @@ last save (Keras's private counter).
 (2, 1)
 """
 
+import abc
+import warnings
+
 import keras
+
+from keras_dist._keras._internals import CallbackList
 
 _OPS = {"min": keras.ops.less, "max": keras.ops.greater}
 
@@ -61,3 +74,40 @@ def set_checkpoint_direction(checkpoint, name: "str | None") -> None:
     checkpoint.monitor_op = _OPS[name]
     margin = abs(checkpoint.min_delta)
     checkpoint.min_delta = -margin if name == "min" else margin
+
+
+class HoldsResources(abc.ABC):
+    """A callback that holds writers, threads or files between a loop's begin and end hooks.
+
+    ``release_resources`` is called, once per failed loop, when ``fit``,
+    ``evaluate`` or ``predict`` raises (Keras then calls no end hook). It closes
+    what the callback holds and keeps what it has written; it may be called
+    again (a failed ``evaluate`` inside ``fit`` releases, then ``fit``).
+    """
+
+    @abc.abstractmethod
+    def release_resources(self) -> None:
+        """Closes what the callback holds after a loop that raised; safe to repeat."""
+
+
+def release_after_error(callbacks) -> None:
+    """Calls ``release_resources`` of each ``HoldsResources`` among a failed loop's ``callbacks``.
+
+    ``callbacks``: what the loop was given (a list, a ``CallbackList``, ``None``).
+    Every one is released even when one of them fails, which warns: the loop's
+    own error is the one to raise.
+    """
+    if isinstance(callbacks, CallbackList):
+        callbacks = callbacks.callbacks
+    if not isinstance(callbacks, (list, tuple)):
+        return
+    for callback in callbacks:
+        if isinstance(callback, HoldsResources):
+            try:
+                callback.release_resources()
+            except Exception as error:
+                warnings.warn(
+                    f"{type(callback).__name__} could not release what it holds after the "
+                    f"loop failed. Received: {type(error).__name__}: {error}",
+                    stacklevel=3,
+                )

@@ -19,6 +19,7 @@ import keras
 
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._keras._callbacks import release_after_error
 from keras_dist._keras._internals import CallbackList
 from keras_dist._keras._internals import History
 from keras_dist._keras._internals import JAXEpochIterator
@@ -95,11 +96,18 @@ def _wrap_loop(original, training):
         quiet = original.__name__ in ("fit", "evaluate") and quiet_between_steps(
             arguments.get("callbacks")
         )
-        if original.__name__ == "fit":
-            _keras_callbacks_across_processes(arguments.get("callbacks"), strategy)
-            with _fitting_with(self, arguments.get("callbacks")):
-                return _run_loop(self, original, training, quiet, args, kwargs)
-        return _run_loop(self, original, training, quiet, args, kwargs)
+        callbacks = arguments.get("callbacks")
+        try:
+            if original.__name__ == "fit":
+                _keras_callbacks_across_processes(callbacks, strategy)
+                with _fitting_with(self, callbacks):
+                    return _run_loop(self, original, training, quiet, args, kwargs)
+            return _run_loop(self, original, training, quiet, args, kwargs)
+        except BaseException:
+            # Keras calls the end hooks only when its loop returns: the writers,
+            # threads and files a callback holds are closed here instead.
+            release_after_error(callbacks)
+            raise
 
     loop._keras_dist_hook = True
     return loop

@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._keras import HoldsResources
 from keras_dist._keras import fit_callbacks
 from keras_dist._keras import set_initial_epoch
 from keras_dist._keras_steps import model_strategy
@@ -75,7 +76,7 @@ class _SkipTrainedBatches:
             function.detach()
 
 
-class BackupAndRestore(keras.callbacks.BackupAndRestore):
+class BackupAndRestore(keras.callbacks.BackupAndRestore, HoldsResources):
     """Backs up the training state so that an interrupted ``fit`` resumes where it stopped.
 
     ``tf.keras.callbacks.BackupAndRestore`` for keras_dist: on several workers
@@ -282,6 +283,22 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             # its own copy is gone, and the last one finds it empty.
             with contextlib.suppress(OSError):
                 os.rmdir(self.backup_dir)
+        if self._watcher is not None:
+            watcher, self._watcher = self._watcher, None
+            watcher.finish()
+
+    def release_resources(self):
+        """After a ``fit`` that raised: the backup stays, the rest is put back.
+
+        The model's own train function, the ``fit`` start epoch, the previous
+        ``SIGTERM`` handler; a non-chief's temp dir is removed.
+        """
+        self._skipper = None
+        if self.model is not None:
+            _SkipTrainedBatches.remove_from(self.model)
+            set_initial_epoch(self.model, None)
+        if self._process_role is not None:
+            self._process_role.remove_temp_dirpath(self.backup_dir)
         if self._watcher is not None:
             watcher, self._watcher = self._watcher, None
             watcher.finish()

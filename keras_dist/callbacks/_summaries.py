@@ -13,7 +13,12 @@ Tools written for TF 2's logs read these tensors (``EventAccumulator.Tensors``,
 ('scalars', array([0.5], dtype=float32))
 """
 
+import os
+import time
+
 import numpy as np
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2
 from tensorboardX.proto import summary_pb2
 from tensorboardX.proto import tensor_pb2
 from tensorboardX.proto import tensor_shape_pb2
@@ -69,6 +74,34 @@ def keras_model_summary(tag: str, model) -> "summary_pb2.Summary | None":
         string_val=[config.encode("utf-8")],
     )
     return _summary(tag, tensor, "graph_keras_model", content=b"1")
+
+
+class EventFile:
+    """One run's event file, as ``tf.summary``'s writer names and fills it.
+
+    Written in the caller's thread: tensorboardX's ``FileWriter`` hands events to
+    a thread and a multiprocessing queue of its own, which outlive a ``fit``
+    that raises unless closed, and whose feeder thread ends some time after
+    ``close`` returns. Here ``close`` leaves nothing running and no file open.
+    """
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self._events = EventsWriter(os.path.join(run_dir, "events"))
+        self.closed = False
+
+    def add_summary(self, summary: summary_pb2.Summary, global_step: int) -> None:
+        event = event_pb2.Event(summary=summary, step=int(global_step), wall_time=time.time())
+        self._events.write_event(event)
+
+    def flush(self) -> None:
+        self._events.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the file; safe to repeat."""
+        if not self.closed:
+            self.closed = True
+            self._events.close()
 
 
 def _tensor_summary(tag, array, dtype, plugin):

@@ -1,7 +1,7 @@
 """``TensorBoard``: Keras's scalar and histogram logs, written without TensorFlow, by the chief.
 
 Keras 3's ``keras.callbacks.TensorBoard`` writes through ``tf.summary``. This
-one writes the same event files with ``tensorboardX``: the same run
+one writes the same event files with ``tensorboardX``'s protos (``_summaries``): the same run
 directories (``log_dir/train``, ``log_dir/validation``), tags (``epoch_loss``,
 ``batch_loss``, ``epoch_learning_rate``, ``evaluation_loss_vs_iterations``,
 ``<weight path>/histogram``, the model's config as ``keras``), steps and TF 2's
@@ -19,13 +19,15 @@ import warnings
 import keras
 import numpy as np
 
+from keras_dist._keras import HoldsResources
 from keras_dist.callbacks import _writer_role
+from keras_dist.callbacks._summaries import EventFile
 from keras_dist.callbacks._summaries import histogram_summary
 from keras_dist.callbacks._summaries import keras_model_summary
 from keras_dist.callbacks._summaries import scalar_summary
 
 
-class TensorBoard(keras.callbacks.Callback):
+class TensorBoard(keras.callbacks.Callback, HoldsResources):
     """Writes ``fit``'s logs (and optionally weight histograms) for TensorBoard.
 
     The arguments are ``keras.callbacks.TensorBoard``'s. Written: epoch-level
@@ -37,6 +39,8 @@ class TensorBoard(keras.callbacks.Callback):
     functional model's config (TensorBoard's graph tab draws it). Not written:
     the traced train function's op graph (there is no TensorFlow graph), weight images,
     embeddings and profiles (use ``jax.profiler``), which warn when asked for.
+    When ``fit``, ``evaluate`` or ``predict`` raises, the event files written so
+    far are closed (complete and readable) and their writers' threads end.
 
     >>> import os, tempfile, keras, numpy as np
     >>> from keras_dist.callbacks import TensorBoard
@@ -112,10 +116,7 @@ class TensorBoard(keras.callbacks.Callback):
         if not self._is_writer:
             return None
         if run not in self._writers:
-            # Deferred: only the chief writes events, and tensorboardX loads protobuf.
-            from tensorboardX import FileWriter
-
-            self._writers[run] = FileWriter(os.path.join(self.log_dir, run))
+            self._writers[run] = EventFile(os.path.join(self.log_dir, run))
         return self._writers[run]
 
     def _scalars(self, run, values, step, prefix=""):
@@ -137,6 +138,9 @@ class TensorBoard(keras.callbacks.Callback):
         self._global_train_batch = 0
 
     def on_train_end(self, logs=None):
+        self._close_writers()
+
+    def release_resources(self):
         self._close_writers()
 
     def on_epoch_begin(self, epoch, logs=None):

@@ -405,7 +405,10 @@ def test_sigterm_saves_at_the_next_batch_end_and_exits_42(tmp_path):
             _fit(model, [backup, sigterm])
         assert exit_info.value.code == 42
         assert signal.getsignal(signal.SIGTERM) == previous
-        assert all(h == backup._watcher._on_sigterm for h in sigterm.handlers)
+        # The watcher's own handler during fit; released (and None) once fit exited.
+        assert isinstance(sigterm.handlers[0].__self__, _preemption.PreemptionWatcher)
+        assert all(h == sigterm.handlers[0] for h in sigterm.handlers)
+        assert backup._watcher is None
     metadata = _metadata(backup_dir)
     assert (metadata["epoch"], metadata["batch"]) == (1, 3)  # after global batch 7
 
