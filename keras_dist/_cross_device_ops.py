@@ -17,6 +17,7 @@ same function over the stacked components.
 """
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from keras_dist import _context
+from keras_dist._devices import check_device_name
 from keras_dist._devices import resolve_device
 from keras_dist._mesh import REPLICA_AXIS as AXIS
 from keras_dist._reduce_op import ReduceOp
@@ -90,6 +92,13 @@ class CrossDeviceOps:
 
     def __init__(self):
         self._jitted: dict = {}
+
+    def check_devices(self) -> None:
+        """Raises where the ops name a device this host lacks; called when a strategy takes them.
+
+        JAX's devices are known only then: a multi-process job starts
+        ``jax.distributed`` before JAX's backends.
+        """
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
         """Reduces ``per_replica_value`` and places the result on ``destinations``."""
@@ -186,8 +195,7 @@ class NcclAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs: int = 1):
         super().__init__()
-        if num_packs < 0:
-            raise ValueError(f"`num_packs` must be at least 0. Received: num_packs={num_packs}")
+        _check_num_packs(num_packs)
         self.num_packs = num_packs
 
     # Gradients up to this size share one packed buffer; larger ones are their
@@ -209,8 +217,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs: int = 1):
         super().__init__()
-        if num_packs < 0:
-            raise ValueError(f"`num_packs` must be at least 0. Received: num_packs={num_packs}")
+        _check_num_packs(num_packs)
         self.num_packs = max(num_packs, 1)
 
     def _reduce_buffer(self, buffer, num_replicas):
@@ -229,6 +236,16 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         if not out:
             return buffer
         return out[0] if len(out) == 1 else jnp.concatenate(out)
+
+
+def _check_num_packs(num_packs) -> None:
+    if isinstance(num_packs, bool) or not isinstance(num_packs, numbers.Integral):
+        raise TypeError(
+            "`num_packs` must be an integer: how many buffers the gradients are packed "
+            f"into, e.g. num_packs=1. Received: num_packs={num_packs!r}"
+        )
+    if num_packs < 0:
+        raise ValueError(f"`num_packs` must be at least 0. Received: num_packs={num_packs}")
 
 
 def _add_n(values):
@@ -291,8 +308,29 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def __init__(self, reduce_to_device=None, accumulation_fn=None):
         super().__init__()
+        if reduce_to_device is not None:
+            check_device_name(reduce_to_device, "reduce_to_device")
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise TypeError(
+                "`accumulation_fn` must be a function that adds a list of arrays, such as "
+                f"tf.math.add_n. Received: accumulation_fn={accumulation_fn!r}"
+            )
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn or _add_n
+
+    def check_devices(self) -> None:
+        """``reduce_to_device`` must be a device of this host.
+
+        >>> import keras_dist as kd
+        >>> kd.MirroredStrategy(["/cpu:0"], kd.ReductionToOneDevice("/cpu:99"))
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Device '/cpu:99' does not exist on this host. Available devices: [...].
+        Received: reduce_to_device='/cpu:99'
+        """
+        if self.reduce_to_device is not None:
+            resolve_device(self.reduce_to_device, "reduce_to_device")
 
     def _add_components(self, components):
         return self.accumulation_fn(components)

@@ -22,6 +22,40 @@ def resolve_device(device: "str | jax.Device", name: str = "device") -> jax.Devi
     """
     if isinstance(device, jax.Device):
         return device
+    platform, index = _parsed(device, name)
+    try:
+        candidates = jax.local_devices(backend=platform)
+    except RuntimeError:
+        candidates = []
+    if not candidates and platform != "cpu":
+        return _on_the_cpu(device, platform.upper(), index, name)
+    if index >= len(candidates):
+        available = [device_name(d) for d in jax.local_devices()]
+        raise ValueError(
+            f"Device {device!r} does not exist on this host. Available devices: "
+            f"{available}. Received: {name}={device!r}"
+        )
+    return candidates[index]
+
+
+def check_device_name(device: "str | jax.Device", name: str = "device") -> None:
+    """Raises where ``device`` is no device string or ``jax.Device``, without starting JAX.
+
+    Whether the device exists is known once JAX's backends start (``resolve_device``);
+    a multi-process job must start ``jax.distributed`` first.
+
+    >>> check_device_name("/cpu:9")
+    >>> check_device_name("cpu9", "reduce_to_device")
+    Traceback (most recent call last):
+    ...
+    ValueError: Could not parse the device string. ... Received: reduce_to_device='cpu9'
+    """
+    if not isinstance(device, jax.Device):
+        _parsed(device, name)
+
+
+def _parsed(device, name) -> tuple:
+    """``(platform, index)`` of a device string; raises for anything else."""
     if not isinstance(device, str):
         hint = ""
         if isinstance(device, int) and not isinstance(device, bool):
@@ -41,20 +75,7 @@ def resolve_device(device: "str | jax.Device", name: str = "device") -> jax.Devi
             f"'GPU:1' or '/job:localhost/replica:0/task:0/device:CPU:0'. Received: "
             f"{name}={device!r}"
         )
-    index = int(match["index"])
-    try:
-        candidates = jax.local_devices(backend=platform)
-    except RuntimeError:
-        candidates = []
-    if not candidates and platform != "cpu":
-        return _on_the_cpu(device, match["kind"].upper(), index, name)
-    if index >= len(candidates):
-        available = [device_name(d) for d in jax.local_devices()]
-        raise ValueError(
-            f"Device {device!r} does not exist on this host. Available devices: "
-            f"{available}. Received: {name}={device!r}"
-        )
-    return candidates[index]
+    return platform, int(match["index"])
 
 
 def _on_the_cpu(device: str, kind: str, index: int, name: str) -> jax.Device:

@@ -9,6 +9,7 @@ from keras_dist._input._numpy_dataset import NumpyDataset as NumpyDataset
 from keras_dist._input._options import InputContext as InputContext
 from keras_dist._input._options import InputOptions as InputOptions
 from keras_dist._input._options import InputReplicationMode as InputReplicationMode
+from keras_dist._input._options import checked_input_options as checked_input_options
 from keras_dist._input._prefetch import Prefetch as Prefetch
 from keras_dist._input._sparse import densify as densify
 from keras_dist._input._split import GlobalBatchSplitter as GlobalBatchSplitter

@@ -23,6 +23,7 @@ from keras_dist._input._host_arrays import to_host_arrays
 from keras_dist._input._options import InputContext
 from keras_dist._input._options import InputOptions
 from keras_dist._input._options import InputReplicationMode
+from keras_dist._input._options import checked_input_options
 from keras_dist._input._prefetch import Prefetch
 from keras_dist._input._split import AgreedSteps
 from keras_dist._input._split import GlobalBatchSplitter
@@ -202,6 +203,7 @@ class DistributedDataset:
 
     @classmethod
     def from_global_batches(cls, strategy, dataset, options=None):
+        options = checked_input_options(options, "experimental_distribute_dataset")
         if options is not None:
             options.validate(dataset_fn=False)
             if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
@@ -242,6 +244,7 @@ class DistributedDataset:
 
     @classmethod
     def from_function(cls, strategy, dataset_fn, options=None):
+        options = checked_input_options(options, "distribute_datasets_from_function")
         options = options or InputOptions()
         options.validate()
         extended = strategy.extended

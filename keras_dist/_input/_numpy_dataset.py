@@ -16,8 +16,7 @@ class NumpyDataset:
 
     def __init__(self, numpy_input, batch_size=None, drop_remainder=False):
         self._data = jax.tree_util.tree_map(np.asarray, numpy_input)
-        leaves = jax.tree_util.tree_leaves(self._data)
-        self._size = len(leaves[0]) if leaves else 0
+        self._size = _row_count(self._data)
         self._batch_size = batch_size
         self._drop_remainder = drop_remainder
 
@@ -62,3 +61,31 @@ class NumpyDataset:
                 yield jax.tree_util.tree_map(lambda x, s=start: x[s], self._data)
             else:
                 yield jax.tree_util.tree_map(lambda x, s=start: x[s : s + step], self._data)
+
+
+def _row_count(data) -> int:
+    """The rows every array of ``data`` has; fails, naming each count, where they differ.
+
+    >>> _row_count((np.ones((10, 2)), np.ones((9, 1))))
+    Traceback (most recent call last):
+    ...
+    ValueError: Every array of a NumPy dataset must have the same number of rows ...
+    Received: rows=10 at [0], rows=9 at [1]
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(data)
+    scalars = [jax.tree_util.keystr(path) or "the input" for path, x in leaves if x.ndim == 0]
+    if scalars:
+        raise ValueError(
+            "A NumPy dataset's elements are the rows of its arrays, so every array needs "
+            "a first dimension: pass arrays of rank 1 or more (np.reshape(x, (-1,)) for "
+            f"one row per value). Received: a scalar at {', '.join(scalars)}"
+        )
+    counts = [(jax.tree_util.keystr(path) or "the input", len(x)) for path, x in leaves]
+    if len({count for _, count in counts}) > 1:
+        raise ValueError(
+            "Every array of a NumPy dataset must have the same number of rows (its first "
+            "dimension): the dataset's elements are their rows, taken together. Pass "
+            "arrays of equal length. Received: "
+            + ", ".join(f"rows={count} at {path}" for path, count in counts)
+        )
+    return counts[0][1] if counts else 0

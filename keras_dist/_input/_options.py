@@ -70,6 +70,23 @@ class InputOptions:
             )
 
 
+def checked_input_options(options, method: str) -> "InputOptions | None":
+    """``options`` if it is ``None`` or an ``InputOptions``; else a ``TypeError`` naming the fix.
+
+    >>> checked_input_options("bad", "experimental_distribute_dataset")
+    Traceback (most recent call last):
+    ...
+    TypeError: `experimental_distribute_dataset` takes `options=kd.InputOptions(...)`
+    (or None). Received: options='bad' of type str
+    """
+    if options is None or isinstance(options, InputOptions):
+        return options
+    raise TypeError(
+        f"`{method}` takes `options=kd.InputOptions(...)` (or None). "
+        f"Received: options={options!r} of type {type(options).__name__}"
+    )
+
+
 class InputContext:
     """Tells ``dataset_fn`` which input pipeline it builds and for how many replicas.
 

@@ -73,6 +73,7 @@ class MeshExtended(StrategyExtended, MeshRuntime):
                 f"kd.NcclAllReduce(). Received: cross_device_ops={cross_device_ops!r}"
             )
         self._cross_device_ops = cross_device_ops or select_cross_device_ops(devices)
+        self._cross_device_ops.check_devices()
         self._placement = Placement(
             devices, mesh_devices, dispatch, self._cross_device_ops, cores_per_replica
         )

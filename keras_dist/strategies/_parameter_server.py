@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from keras_dist import _context
 from keras_dist._capabilities import RemoteScheduling
 from keras_dist._engine_contract import ReplicaEngine
+from keras_dist._input import checked_input_options
 from keras_dist._keras import StrategyDistribution
 from keras_dist._keras import set_variable_class
 from keras_dist._keras import slot_reference
@@ -445,10 +446,12 @@ class ParameterServerStrategy(Strategy):
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """A dataset for ``create_per_worker_dataset``; iterating it here raises."""
+        checked_input_options(options, "experimental_distribute_dataset")
         return DirectDataset(lambda: dataset)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """A dataset built by ``dataset_fn(InputContext)``, for ``create_per_worker_dataset``."""
+        checked_input_options(options, "distribute_datasets_from_function")
         return DirectDataset(dataset_fn)
 
     def __reduce__(self):

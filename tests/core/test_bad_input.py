@@ -265,3 +265,85 @@ def test_next_in_a_jax_loop_body_raises_rather_than_repeating_a_batch(engine):
     # No batch was lost to the refused calls.
     first = strategy.experimental_local_results(next(iterator))
     assert [float(x[0]) for x in first] == [1.0, 1.0]
+
+
+# ------------------------------------------------- input options, numpy rows
+@pytest.mark.parametrize("options", ["bad", {"experimental_fetch_to_device": False}, 3])
+def test_input_options_of_another_type_name_kd_input_options(options):
+    strategy = kd.MirroredStrategy(cpus(2))
+    calls = {
+        "experimental_distribute_dataset": lambda: strategy.experimental_distribute_dataset(
+            [np.ones((2, 3))], options=options
+        ),
+        "distribute_datasets_from_function": lambda: strategy.distribute_datasets_from_function(
+            lambda context: [np.ones((1, 3))], options=options
+        ),
+    }
+    for method, call in calls.items():
+        with pytest.raises(TypeError) as info:
+            call()
+        message = str(info.value)
+        assert f"`{method}` takes `options=kd.InputOptions(...)`" in message
+        assert f"Received: options={options!r} of type {type(options).__name__}" in message
+
+
+def test_input_options_still_take_kd_input_options_and_none():
+    strategy = kd.MirroredStrategy(cpus(2))
+    for options in (None, kd.InputOptions()):
+        dataset = strategy.experimental_distribute_dataset([np.ones((2, 3))], options=options)
+        (batch,) = list(dataset)
+        assert [c.shape for c in strategy.experimental_local_results(batch)] == [(1, 3)] * 2
+
+
+@pytest.mark.parametrize(
+    "arrays, received",
+    [
+        ((np.ones((10, 2)), np.ones((9, 1))), "Received: rows=10 at [0], rows=9 at [1]"),
+        ({"x": np.ones(4), "y": np.ones((5, 2))}, "Received: rows=4 at ['x'], rows=5 at ['y']"),
+    ],
+)
+def test_numpy_dataset_of_arrays_with_different_row_counts_fails_when_made(arrays, received):
+    strategy = kd.MirroredStrategy(cpus(2))
+    with pytest.raises(ValueError, match="the same number of rows") as info:
+        strategy.experimental_make_numpy_dataset(arrays)
+    assert received in str(info.value)
+
+
+def test_numpy_dataset_of_a_scalar_says_to_pass_arrays_of_rows():
+    strategy = kd.MirroredStrategy(cpus(2))
+    with pytest.raises(ValueError, match="rank 1 or more") as info:
+        strategy.experimental_make_numpy_dataset((np.ones(3), np.float32(2.0)))
+    assert "Received: a scalar at [1]" in str(info.value)
+
+
+# ---------------------------------------------------------- cross-device ops
+def test_reduction_to_a_device_this_host_lacks_fails_when_the_strategy_is_made():
+    ops = kd.ReductionToOneDevice(f"/cpu:{len(jax.devices('cpu'))}")
+    with pytest.raises(ValueError, match="does not exist on this host") as info:
+        kd.MirroredStrategy(cpus(2), cross_device_ops=ops)
+    message = str(info.value)
+    assert "Available devices: ['/job:localhost/replica:0/task:0/device:CPU:0'" in message
+    assert f"Received: reduce_to_device='/cpu:{len(jax.devices('cpu'))}'" in message
+
+
+def test_reduction_to_one_device_rejects_a_bad_device_name_when_made():
+    with pytest.raises(ValueError, match="Received: reduce_to_device='cpu9'"):
+        kd.ReductionToOneDevice("cpu9")
+    with pytest.raises(TypeError, match="Received: reduce_to_device=9"):
+        kd.ReductionToOneDevice(9)
+    with pytest.raises(TypeError, match="Received: accumulation_fn='sum'"):
+        kd.ReductionToOneDevice(accumulation_fn="sum")
+
+
+def test_reduction_to_a_device_of_this_host_reduces_there():
+    strategy = kd.MirroredStrategy(cpus(2), cross_device_ops=kd.ReductionToOneDevice("/cpu:3"))
+    value = strategy.run(lambda: kd.get_replica_context().replica_id_in_sync_group + 1.0)
+    assert float(strategy.reduce("SUM", value, axis=None)) == 3.0
+
+
+@pytest.mark.parametrize("ops", [kd.NcclAllReduce, kd.HierarchicalCopyAllReduce])
+def test_all_reduce_ops_name_a_bad_num_packs(ops):
+    with pytest.raises(TypeError, match="Received: num_packs='2'"):
+        ops(num_packs="2")
+    with pytest.raises(ValueError, match="Received: num_packs=-1"):
+        ops(num_packs=-1)
