@@ -14,16 +14,18 @@ slots and iteration counter). Resuming exactly also needs what it leaves out:
 
 A backup is one directory, replaced as a unit. A save writes a new directory
 beside it (``<dir>.staging-<id>``): the weights, the state, and last the metadata
-with every file's SHA-256, each fsynced. Then the old directory is renamed
+with every file's SHA-256 and a digest of itself, each fsynced. Then the old directory is renamed
 aside, the new one into its place, and the old one removed (or, with
 ``double_checkpoint``, kept as ``<dir>.previous``). A process killed at any
 moment leaves either the old backup, the new one, or both complete; a restore
-verifies the checksums and falls back to the next complete copy when one
-cannot be read.
+verifies the digest and the checksums and falls back to the next complete copy
+when one cannot be read. A copy whose metadata is missing or was edited cannot
+be read: it must not restart training, or skip it, unnoticed.
 """
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import uuid
@@ -39,6 +41,8 @@ METADATA = "training_metadata.json"
 PREVIOUS = ".previous"  # the backup before the latest, kept with ``double_checkpoint``
 _STAGING = ".staging-"  # a backup being written
 _RETIRING = ".retiring-"  # the replaced backup, between the two renames
+_DELETING = ".deleting-"  # a copy being deleted: never read
+DIGEST = "digest"  # the metadata's field: SHA-256 of the rest (``_digest``)
 # What a backup that cannot be decoded raises (h5py raises OSError or RuntimeError).
 _UNREADABLE = (
     OSError,
@@ -133,6 +137,7 @@ def _write(model, staging, epoch, batch, batches_since_save, logs, rng_state, ca
             name: _atomic_files.sha256(os.path.join(staging, name)) for name in (WEIGHTS, STATE)
         },
     }
+    metadata[DIGEST] = _digest(metadata)
     _atomic_files.write_json(os.path.join(staging, METADATA), metadata)
     _atomic_files.fsync_dir(staging)
 
@@ -152,8 +157,9 @@ def _install(staging, dirpath, keep_previous):
         else:
             _atomic_files.remove_tree(retiring)
         _atomic_files.fsync_dir(parent)
-    for leftover in _siblings(dirpath, _STAGING) + _siblings(dirpath, _RETIRING):
-        _atomic_files.remove_tree(leftover)  # from saves killed part-way
+    leftovers = _siblings(dirpath, _STAGING) + _siblings(dirpath, _RETIRING)
+    for leftover in leftovers + _siblings(dirpath, _DELETING):
+        _atomic_files.remove_tree(leftover)  # from saves and deletes killed part-way
 
 
 def _siblings(dirpath, mark) -> list:
@@ -169,9 +175,11 @@ def _candidates(dirpath) -> list:
     the new copy staged and the old one retiring; ``double_checkpoint`` keeps
     the previous one.
     """
-    copies = [dirpath] + _siblings(dirpath, _STAGING) + _siblings(dirpath, _RETIRING)
-    copies.append(dirpath + PREVIOUS)
-    return [c for c in copies if os.path.exists(os.path.join(c, METADATA))]
+    staged = [c for c in _siblings(dirpath, _STAGING) if os.path.exists(os.path.join(c, METADATA))]
+    copies = [dirpath] + staged + _siblings(dirpath, _RETIRING) + [dirpath + PREVIOUS]
+    # A staging copy gets its metadata last: without it, it is a save cut short.
+    # The others were complete when renamed into place: without it, one is damaged.
+    return [c for c in copies if os.path.isdir(c)]
 
 
 def load(model, dirpath, *, double_checkpoint) -> "Restored | None":
@@ -210,14 +218,32 @@ def load(model, dirpath, *, double_checkpoint) -> "Restored | None":
     )
 
 
+def _digest(metadata) -> str:
+    """The SHA-256 of the metadata but its digest: where to resume, and every file's SHA-256.
+
+    One digest covers the whole backup: the metadata holds the files' checksums.
+    """
+    fields = {name: value for name, value in metadata.items() if name != DIGEST}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 def _verify(candidate) -> bool:
-    """Whether the copy's files carry checksums (all checked); raises if one differs."""
-    checksums = _atomic_files.read_json(os.path.join(candidate, METADATA)).get("sha256")
-    for name, expected in (checksums or {}).items():
+    """Checks the copy's digest and files; raises if the metadata is missing or any differs.
+
+    The metadata says where to resume: a copy whose metadata was deleted or
+    edited by hand would restart training, or skip it, without a word.
+    """
+    path = os.path.join(candidate, METADATA)
+    if not os.path.exists(path):
+        raise _ChecksumMismatch(f"{METADATA} is missing")
+    metadata = _atomic_files.read_json(path)
+    if not isinstance(metadata, dict) or metadata.get(DIGEST) != _digest(metadata):
+        raise _ChecksumMismatch(f"{METADATA} does not match its digest (was it edited?)")
+    for name in (WEIGHTS, STATE):
         actual = _atomic_files.sha256(os.path.join(candidate, name))
-        if actual != expected:
+        if actual != metadata["sha256"].get(name):
             raise _ChecksumMismatch(f"{name} does not match its checksum")
-    return bool(checksums)
+    return True
 
 
 def _load(model, dirpath) -> Restored:
@@ -271,9 +297,17 @@ def _check_count(kind, values, variables, dirpath):
 
 
 def delete(dirpath) -> None:
-    """Removes a backup and every copy of it, the latest first (a reader then finds none)."""
+    """Removes a backup and every copy of it, the latest first (a reader then finds none).
+
+    Each copy is renamed aside whole before it is removed: a process killed
+    part-way leaves whole copies or none, never one without its metadata.
+    """
     dirpath = os.path.abspath(dirpath)
-    for copy in [dirpath] + _siblings(dirpath, _STAGING) + _siblings(dirpath, _RETIRING):
-        _atomic_files.remove_tree(os.path.join(copy, METADATA))
-        _atomic_files.remove_tree(copy)
-    _atomic_files.remove_tree(dirpath + PREVIOUS)
+    copies = [dirpath] + _siblings(dirpath, _STAGING) + _siblings(dirpath, _RETIRING)
+    for copy in copies + [dirpath + PREVIOUS]:
+        if os.path.exists(copy):
+            deleting = f"{dirpath}{_DELETING}{uuid.uuid4().hex[:12]}"
+            os.rename(copy, deleting)
+            _atomic_files.remove_tree(deleting)
+    for leftover in _siblings(dirpath, _DELETING):
+        _atomic_files.remove_tree(leftover)

@@ -3,10 +3,12 @@
 A process killed with SIGKILL at a random moment of a ``save_freq=1`` run must
 never make the restart fail, nor resume from half of one backup and half of
 another: the run that finally completes ends with the weights of a run that
-was never interrupted. A damaged backup falls back to the previous copy, or
-fails with one clear error naming the directory.
+was never interrupted. A damaged backup (its metadata deleted or edited too)
+falls back to the previous copy, or fails with one clear error naming the
+directory.
 """
 
+import json
 import os
 import random
 import signal
@@ -176,6 +178,67 @@ def test_a_backup_with_no_readable_copy_names_its_directory(tmp_path):
     message = str(error.value)
     assert str(tmp_path) in message and "Delete that directory" in message
     assert "training_state.npz does not match its checksum" in message
+
+
+def _edit_metadata(backup_dir, **fields):
+    path = backup_dir / "chief" / _training_state.METADATA
+    metadata = json.loads(path.read_text())
+    metadata.update(fields)
+    path.write_text(json.dumps(metadata))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("deleted", "training_metadata.json is missing"),
+        ({"epoch": 99}, "training_metadata.json does not match its digest"),
+        ({"batch": 77}, "training_metadata.json does not match its digest"),
+        ({"digest": "0" * 64}, "training_metadata.json does not match its digest"),
+    ],
+    ids=["deleted", "epoch=99", "batch=77", "digest"],
+)
+def test_a_missing_or_edited_metadata_file_is_unreadable_not_a_silent_restart(
+    tmp_path, damage, reason
+):
+    strategy = kd.MirroredStrategy(cpus(2))
+    backup = BackupAndRestore(str(tmp_path), save_freq=2, delete_checkpoint=False)
+    _fit(_model(strategy), [backup], epochs=2)  # the last backup: epoch 1, batch 4 of 4
+    if damage == "deleted":
+        os.remove(tmp_path / "chief" / _training_state.METADATA)
+    else:
+        _edit_metadata(tmp_path, **damage)
+    model = _model(strategy)
+    before = model.get_weights()
+    with pytest.raises(_training_state.BackupUnreadableError) as error:
+        _fit(model, [backup], epochs=3)
+    message = str(error.value)
+    assert reason in message and str(tmp_path) in message and "Delete that directory" in message
+    for got, expected in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(got, expected)  # nothing trained
+
+
+@pytest.mark.parametrize("damage", ["deleted", "edited"])
+def test_a_missing_or_edited_latest_metadata_falls_back_to_the_previous_backup(tmp_path, damage):
+    strategy = kd.MirroredStrategy(cpus(2))
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, double_checkpoint=True)
+    _fit(_model(strategy), [backup], epochs=2)
+    if damage == "deleted":
+        os.remove(tmp_path / "chief" / _training_state.METADATA)
+    else:
+        _edit_metadata(tmp_path, epoch=99)
+    # The previous copy is the end of epoch 1: training resumes with epoch 2.
+    assert _fit(_model(strategy), [backup], epochs=3).epoch == [1, 2]
+
+
+def test_a_delete_killed_part_way_leaves_no_copy_without_its_metadata(tmp_path):
+    strategy = kd.MirroredStrategy(cpus(2))
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False, double_checkpoint=True)
+    _fit(_model(strategy), [backup], epochs=2)
+    # What a delete killed after its rename leaves: a copy set aside, never read.
+    os.rename(tmp_path / "chief", tmp_path / "chief.deleting-0123")
+    os.rename(tmp_path / "chief.previous", tmp_path / "chief.deleting-4567")
+    assert _fit(_model(strategy), [backup], epochs=2).epoch == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == ["chief", "chief.previous"]
 
 
 def test_a_backup_of_another_model_is_reported_as_such_not_as_damaged(tmp_path):
