@@ -11,14 +11,26 @@ flag: when the consumer drops the iterator (a ``break``, ``steps_per_epoch``,
 an exception), it is garbage-collected, its finalizer sets the flag, and the
 thread ends within one poll, releasing the batches it held. ``close()`` does
 the same at once.
+
+At interpreter exit every thread still reading is stopped and waited for
+(``_stop_every_reader``, an ``atexit`` hook registered when the first thread
+starts, so after TensorFlow's own): a daemon thread left inside a
+``tf.data`` iterator's C++ code while Python finalizes is torn down there,
+and the process aborts ("terminate called after throwing an instance of ...",
+return code 134) where the script had ended cleanly.
 """
 
+import atexit
 import queue
 import threading
+import time
 import weakref
 
 _END = object()
 _POLL_SECONDS = 0.1  # how often a blocked producer checks whether it should stop
+# How long exit waits for readers in all: a reader inside one slow element (a file
+# read) finishes it first; one that never returns is left to the interpreter.
+_EXIT_GRACE_SECONDS = 10.0
 
 
 class Prefetch:
@@ -50,7 +62,7 @@ class Prefetch:
             daemon=True,
         )
         self._source = None  # the thread owns the iterator now
-        self._thread.start()
+        _READERS.started(self._thread, self._stop, self._queue)
 
     def __iter__(self):
         return self
@@ -78,6 +90,52 @@ class Prefetch:
     def running(self) -> bool:
         """Whether the read-ahead thread is alive."""
         return self._thread is not None and self._thread.is_alive()
+
+
+class _Readers:
+    """The read-ahead threads still running, stopped and waited for at exit."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: dict = {}  # thread -> (stop flag, queue)
+        self._registered = False
+
+    def started(self, thread, stop, items) -> None:
+        with self._lock:
+            if not self._registered:
+                atexit.register(self.stop_all)  # (after the hooks of what was imported)
+                self._registered = True
+            self._running = {t: v for t, v in self._running.items() if t.is_alive()}
+            self._running[thread] = (stop, items)
+        thread.start()
+
+    def stop_all(self, grace: float = _EXIT_GRACE_SECONDS) -> None:
+        """Stops every reader and waits up to ``grace`` seconds for them to end."""
+        with self._lock:
+            running, self._running = self._running, {}
+        for stop, items in running.values():
+            _drain(stop, items)
+        deadline = time.monotonic() + grace
+        for thread, (stop, items) in running.items():
+            while thread.is_alive() and time.monotonic() < deadline:
+                _drain(stop, items)  # (a producer may have put one more item)
+                thread.join(_POLL_SECONDS)
+
+
+_READERS = _Readers()
+
+
+def stop_reading_ahead(grace: float = _EXIT_GRACE_SECONDS) -> None:
+    """Stops every read-ahead thread and waits for them (what exit does).
+
+    >>> reader = Prefetch(iter(range(100)))
+    >>> next(reader)
+    0
+    >>> stop_reading_ahead()
+    >>> reader.running
+    False
+    """
+    _READERS.stop_all(grace)
 
 
 def _drain(stop: threading.Event, items: queue.Queue) -> None:
