@@ -6,6 +6,7 @@ is right (the test asserts something a strategy changes on purpose). A bug never
 """
 
 _BOTH = ("mirrored", "one_device")
+_MESH = (*_BOTH, "multi_worker_mirrored")
 
 _LAST_BATCH_INDEX = (
     "Keras 3 reports `begin + steps_per_execution - 1` to `on_train_batch_end` for an epoch's "
@@ -17,26 +18,54 @@ _LAST_BATCH_INDEX = (
 KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
     **{
         f"trainers/trainer_test.py::TestTrainer::test_steps_per_execution_steps_count_{n}_{mode}": (
-            _BOTH,
+            _MESH,
             _LAST_BATCH_INDEX,
         )
         for n in (3, 101)
         for mode in ("eager", "jit", "non_jit")
     },
     "trainers/trainer_test.py::TestTrainer::test_fit_eval_flow_for_jax_model_weights": (
-        _BOTH,
+        _MESH,
         "It asserts that Keras's JAX trainer empties every variable (`v._value is None`) "
         "during `fit`, Keras's hand-off of the state to its jitted loop. Under a strategy the "
         "variables keep their distributed values between steps: callbacks, checkpoints and "
         "the other workers read them there.",
     ),
     "trainers/trainer_test.py::TestTrainer::test_retracing": (
-        _BOTH,
+        _MESH,
         "It counts Python traces of `train_step` (at most 2), with steps_per_execution=20 "
-        "and batches of 1 row. Under MirroredStrategy(4) each batch leaves 3 replicas "
+        "and batches of 1 row. Under MirroredStrategy(4) (or 2 workers of 2 devices) each "
+        "batch leaves 3 replicas "
         "empty: each replica's step is traced at its own shape (1 row, 0 rows) into one "
         "program (4 traces). Under OneDeviceStrategy the 20 steps of an execution are "
         "unrolled into one program (20 traces; Keras loops over them). Either program is "
         "compiled once and reused for every execution.",
+    ),
+    **{
+        f"trainers/trainer_test.py::TestTrainer::test_fit_with_data_adapter_py_dataset{case}": (
+            ("multi_worker_mirrored",),
+            "Its PyDataset makes each batch under `keras.device('cpu:0')`. On JAX a device "
+            "id is global across processes: 'cpu:0' is worker 0's first device, so worker 1 "
+            "gets batches it cannot read ('Fetching value for `jax.Array` that spans "
+            "non-addressable devices'), with or without a strategy (plain Keras after "
+            "`jax.distributed.initialize`). TF's 'CPU:0' is the task's own.",
+        )
+        for case in (
+            "",
+            "_cw",
+            "_infinite",
+            "_infinite_cw",
+            "_multithreading",
+            "_multithreading_cw",
+            "_multithreading_infinite",
+        )
+    },
+    "trainers/trainer_test.py::JAXTrainerCorrectnessTest::"
+    "test_jit_fit_with_out_shardings_logic_distributed": (
+        ("multi_worker_mirrored",),
+        "It makes its own `keras.distribution.DataParallel` over `jax.devices()` (which "
+        "takes precedence over the strategy); across 2 processes Keras itself refuses NumPy "
+        "input to it ('When using a multi-worker distribution with auto-sharding enabled, "
+        "the data must be provided as a `tf.data.Dataset`').",
     ),
 }

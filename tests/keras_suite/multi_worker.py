@@ -60,10 +60,12 @@ def run_on_workers(
         )
         if lost is None:
             break
-        if lost:
-            print(
-                f"[multi_worker_mirrored] a worker was lost (hang or crash) in {lost}", flush=True
-            )
+        print(
+            f"[multi_worker_mirrored] a worker was lost (hang or crash) in {lost}"
+            if lost
+            else "[multi_worker_mirrored] the workers ended after a collective timed out",
+            flush=True,
+        )
     else:
         for test in collected:
             outcomes.setdefault(test, "failed")
