@@ -3,8 +3,9 @@
 tf.keras's layout and roles: the chief keeps the backup in
 ``<backup_dir>/chief/``; other workers save too (saving reads variables, which
 may take a collective) but into ``<backup_dir>/workertemp_<task_id>/``, removed
-right after. Every worker restores from the chief's backup, so all resume from
-the same state.
+right after (or, if the worker was killed, by its next process; by the chief
+if the job restarts without it). Every worker restores from the chief's
+backup, so all resume from the same state.
 
 Resuming is exact: the backup holds the weights, the optimizer's slots and
 iteration counter, the non-trainable and metric variables and NumPy's random
@@ -180,6 +181,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore, HoldsResources):
             watcher.finish()
         model = self.model
         self._process_role = _writer_role.process_role(model)
+        # What a killed worker left: its own next process, or the chief for a
+        # task this job no longer has, removes it.
+        self._process_role.remove_temp_dirpath(self.backup_dir)
+        self._process_role.remove_orphaned_temp_dirs(self.backup_dir)
         _SkipTrainedBatches.remove_from(model)
         self._resume = None
         self._batches_since_save = 0

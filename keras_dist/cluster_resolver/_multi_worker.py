@@ -5,7 +5,9 @@ The functions of TF's ``multi_worker_util`` and tf-keras's
 ``task_type`` and ``task_id``, with TF's error messages.
 """
 
+import contextlib
 import os
+import re
 import shutil
 
 from keras_dist.cluster_resolver._cluster_spec import ClusterSpec
@@ -158,6 +160,9 @@ def should_save_summary(cluster_spec=None, task_type=None, task_id=None):
     return should_checkpoint(cluster_spec, task_type, task_id)
 
 
+_TEMP_DIR = re.compile(r"workertemp_\d+")
+
+
 def _temp_dirname(task_id):
     return f"workertemp_{task_id}"
 
@@ -198,13 +203,64 @@ def write_filepath(filepath, task_type=None, task_id=None, cluster_spec=None):
 def remove_temp_dirpath(dirpath, task_type=None, task_id=None, cluster_spec=None):
     """Deletes a non-chief's temp dir for ``dirpath`` (given either path); safe to repeat.
 
+    What a save staged beside it (``workertemp_<id>.<anything>``) goes with it.
     Does nothing on the chief or in a single process.
 
     >>> remove_temp_dirpath("/tmp/ckpt", "chief", 0, {"chief": ["c:1"]})
     """
     if should_checkpoint(cluster_spec, task_type, task_id):
         return
-    shutil.rmtree(_temp_dir(dirpath, task_id), ignore_errors=True)
+    _remove_temp_dir(_temp_dir(dirpath, task_id))
+
+
+def _remove_temp_dir(temp_dir):
+    """Removes a temp dir and what was written beside it under its name (a staged copy)."""
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    parent, name = os.path.split(temp_dir)
+    for sibling in _entries(parent):
+        if sibling.startswith(name + "."):
+            path = os.path.join(parent, sibling)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+
+
+def _entries(directory) -> list:
+    try:
+        return os.listdir(directory or ".")
+    except OSError:
+        return []
+
+
+def remove_orphaned_temp_dirs(dirpath, task_type=None, task_id=None, cluster_spec=None):
+    """On the chief: removes the temp dirs in ``dirpath`` that no task of this job writes.
+
+    A worker killed while it saved leaves its ``workertemp_<id>``; the same task's
+    next process removes it (``remove_temp_dirpath``), but a job that restarts
+    without that task never would. The temp dirs of this job's non-chief tasks
+    are theirs and left alone. Does nothing on a non-chief.
+
+    >>> import tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> _ = [os.makedirs(os.path.join(root, f"workertemp_{i}")) for i in (1, 2)]
+    >>> remove_orphaned_temp_dirs(root, "worker", 0, {"worker": ["w0:1", "w1:1"]})
+    >>> sorted(os.listdir(root))
+    ['workertemp_1']
+    """
+    if not should_checkpoint(cluster_spec, task_type, task_id):
+        return
+    spec = _normalize(cluster_spec)
+    live = {
+        _temp_dirname(index)
+        for job in spec.jobs
+        for index in spec.task_indices(job)
+        if not should_checkpoint(spec, job, index)
+    }
+    for name in _entries(dirpath):
+        if _TEMP_DIR.fullmatch(name) and name not in live:
+            _remove_temp_dir(os.path.join(dirpath, name))
 
 
 def remove_temp_dir_with_filepath(filepath, task_type=None, task_id=None, cluster_spec=None):

@@ -47,6 +47,12 @@ class ProcessRole(NamedTuple):
         """Deletes a non-chief's temp dir for ``dirpath``; nothing on the chief."""
         _multi_worker.remove_temp_dirpath(dirpath, self.task_type, self.task_id, self.cluster_spec)
 
+    def remove_orphaned_temp_dirs(self, dirpath: str) -> None:
+        """On the chief: removes temp dirs in ``dirpath`` of tasks not in this job."""
+        _multi_worker.remove_orphaned_temp_dirs(
+            dirpath, self.task_type, self.task_id, self.cluster_spec
+        )
+
     def remove_temp_dir_with_filepath(self, filepath: str) -> None:
         """Deletes a non-chief's temp dir holding ``filepath``; nothing on the chief."""
         _multi_worker.remove_temp_dir_with_filepath(

@@ -278,11 +278,11 @@ def write_checkpoint(checkpoint: Checkpoint, save_path: str) -> bool:
     role = _objects.process_role(variables.values())
     directory, name = os.path.split(os.path.abspath(save_path))
     write_directory = role.write_dirpath(directory)
-    _format.write(os.path.join(write_directory, name), values, paths)
-    if write_directory == directory:
-        return True
-    role.remove_temp_dirpath(directory)
-    return False
+    try:
+        _format.write(os.path.join(write_directory, name), values, paths)
+    finally:
+        role.remove_temp_dirpath(directory)  # a non-chief's, written or not
+    return write_directory == directory
 
 
 def wait_for_writer(checkpoint: Checkpoint) -> None:

@@ -25,6 +25,8 @@ import keras_dist as kd
 from keras_dist.callbacks import BackupAndRestore
 from keras_dist.callbacks import ModelCheckpoint
 from keras_dist.callbacks import _training_state
+from keras_dist.callbacks import _writer_role
+from keras_dist.cluster_resolver import ClusterSpec
 
 _SCRIPT = r'''
 """Trains under MirroredStrategy with BackupAndRestore(save_freq=1), then saves the weights."""
@@ -239,6 +241,100 @@ def test_a_delete_killed_part_way_leaves_no_copy_without_its_metadata(tmp_path):
     os.rename(tmp_path / "chief.previous", tmp_path / "chief.deleting-4567")
     assert _fit(_model(strategy), [backup], epochs=2).epoch == [0, 1]
     assert sorted(os.listdir(tmp_path)) == ["chief", "chief.previous"]
+
+
+_KILLED_WORKER = r'''
+"""Worker 1 of 2 (as the callbacks see it) SIGKILLs itself inside its second backup."""
+import os
+import signal
+import sys
+
+import keras_dist as kd  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras_dist.callbacks import _training_state, _writer_role  # noqa: E402
+from keras_dist.cluster_resolver import ClusterSpec  # noqa: E402
+
+backup_dir, where = sys.argv[1], sys.argv[2]
+role = _writer_role.ProcessRole("worker", 1, ClusterSpec({"worker": ["w0:1", "w1:1"]}))
+_writer_role.process_role = lambda model: role
+saves = []
+save = _training_state.save
+
+
+def save_and_die(model, dirpath, **kwargs):
+    saves.append(dirpath)
+    if len(saves) == 2 and where == "while_staging":
+        model.save_weights = lambda *args, **kw: os.kill(os.getpid(), signal.SIGKILL)
+    save(model, dirpath, **kwargs)
+    if len(saves) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # before the temp dir is removed
+
+
+_training_state.save = save_and_die
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+backup = kd.callbacks.BackupAndRestore(backup_dir, save_freq=1)
+model.fit(np.ones((16, 3)), np.ones((16, 1)), batch_size=4, callbacks=[backup], verbose=0)
+'''
+
+
+def _temp_entries(directory) -> list:
+    return sorted(n for n in os.listdir(directory) if n.startswith("workertemp_"))
+
+
+class _ListAtTrainBegin(keras.callbacks.Callback):
+    """What is in ``directory`` once the callbacks before it have begun."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+        self.seen = None
+
+    def on_train_begin(self, logs=None):
+        self.seen = _temp_entries(self.directory)
+
+
+@pytest.mark.parametrize("next_run", ["same worker", "chief without it"])
+@pytest.mark.parametrize("where", ["after_install", "while_staging"])
+def test_a_killed_workers_temp_dir_is_removed_by_the_next_run(
+    tmp_path, monkeypatch, where, next_run
+):
+    script = tmp_path / "worker.py"
+    script.write_text(_KILLED_WORKER)
+    backup_dir = tmp_path / "backup"
+    process = subprocess.run(
+        [sys.executable, str(script), str(backup_dir), where],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == -signal.SIGKILL, process.stderr
+    left = _temp_entries(backup_dir)
+    # Its temp dir, and while staging also the half-written copy beside it.
+    staged = [name for name in left[1:] if name.startswith("workertemp_1.staging-")]
+    assert left[0] == "workertemp_1" and len(staged) == len(left) - 1, left
+    assert len(staged) == (where == "while_staging"), left
+
+    if next_run == "same worker":  # its task's next process removes it before training
+        role = _writer_role.ProcessRole("worker", 1, ClusterSpec({"worker": ["w0:1", "w1:1"]}))
+        monkeypatch.setattr(_writer_role, "process_role", lambda model: role)
+    listing = _ListAtTrainBegin(backup_dir)
+    _fit(_model(kd.MirroredStrategy(cpus(2))), [BackupAndRestore(str(backup_dir)), listing], 1)
+    assert listing.seen == []
+    assert not backup_dir.exists()  # a completed fit leaves no backup directory, as Keras's
+
+
+def test_the_chief_keeps_the_temp_dirs_of_its_jobs_other_workers(tmp_path, monkeypatch):
+    for name in ("workertemp_1", "workertemp_2", "workertemp_2.staging-0123", "workertemp_x"):
+        os.makedirs(tmp_path / name)
+    role = _writer_role.ProcessRole("worker", 0, ClusterSpec({"worker": ["w0:1", "w1:1"]}))
+    monkeypatch.setattr(_writer_role, "process_role", lambda model: role)
+    listing = _ListAtTrainBegin(tmp_path)
+    backup = BackupAndRestore(str(tmp_path), delete_checkpoint=False)
+    _fit(_model(kd.MirroredStrategy(cpus(2))), [backup, listing], 1)
+    # Worker 1 is in this job (its own process removes its dir); task 2 is not.
+    assert listing.seen == ["workertemp_1", "workertemp_x"]
 
 
 def test_a_backup_of_another_model_is_reported_as_such_not_as_damaged(tmp_path):
