@@ -2,9 +2,14 @@
 
     python tests/keras_suite/run.py                      # every folder, every strategy
     python tests/keras_suite/run.py --folders trainers callbacks --strategies mirrored
+    python tests/keras_suite/run.py --folders trainers \
+        --strategies multi_worker_mirrored parameter_server       # about 22 + 3 minutes
 
 Each strategy runs in its own pytest process (4 simulated CPU devices) over Keras's test
-files for the installed Keras version (``keras_sources.py`` fetches them). A test counts
+files for the installed Keras version (``keras_sources.py`` fetches them);
+``multi_worker_mirrored`` runs one pytest in 2 worker processes at once (2 devices each,
+``multi_worker.py``), ``parameter_server`` over an in-process cluster of 2 workers and 2 ps
+tasks (``KERAS_DIST_SUITE_PS_WORKERS=1`` for one worker). A test counts
 against a strategy when it passes plain and fails under the strategy; such a test is
 either on the reviewed list (``known_differences.py``, each entry with its reason) or it
 is a bug. With ``--strategies`` not naming ``plain``, only the tests that fail under a

@@ -67,7 +67,9 @@ def _make_strategy(name):
     if name == "multi_worker_mirrored":
         options = kd.experimental.CommunicationOptions(timeout_seconds=COLLECTIVE_TIMEOUT_S)
         return kd.MultiWorkerMirroredStrategy(communication_options=options)
-    cluster = kd.testing.create_in_process_cluster(num_workers=2, num_ps=2)
+    # One worker runs the steps one after another (plain Keras's numbers); two, at once.
+    workers = int(os.environ.get("KERAS_DIST_SUITE_PS_WORKERS", "2"))
+    cluster = kd.testing.create_in_process_cluster(num_workers=workers, num_ps=2)
     return kd.ParameterServerStrategy(cluster)
 
 
