@@ -120,6 +120,8 @@ def key_of(fn) -> FunctionKey:
     (True, False)
     """
     global _last_key
+    if isinstance(fn, types.MethodType):
+        return _method_key(fn)
     if not isinstance(fn, types.FunctionType):
         return FunctionKey(fn)
     captured = _captured(fn)
@@ -158,6 +160,43 @@ class _KeptKey(NamedTuple):
 
 
 _last_key = None
+
+
+class _KeptMethodKey(NamedTuple):
+    func: object
+    instance: object  # the ``Identity`` of the object the method is bound to
+    reads: object
+    reads_part: object
+    attributes: Slots
+    attributes_part: object
+    key: FunctionKey
+
+
+_last_method_key = None
+
+
+def _method_key(fn) -> FunctionKey:
+    """``FunctionKey(fn)`` of a bound method (made afresh at every attribute access), kept
+    while the next has the same function and object and reads the same values."""
+    global _last_method_key
+    last = _last_method_key
+    if (
+        last is not None
+        and last.func is fn.__func__
+        and last.instance.referent is fn.__self__
+        and last.reads.part() is last.reads_part
+        and last.attributes.part() is last.attributes_part
+    ):
+        return last.key
+    key = FunctionKey(fn)
+    if isinstance(fn.__func__, types.FunctionType):
+        reads = global_reads(fn.__func__)
+        attributes = attribute_slots(reads.names, [fn.__self__])
+        _last_method_key = _KeptMethodKey(
+            fn.__func__, identity_part(fn.__self__), reads, reads.part(), attributes,
+            attributes.part(), key,
+        )  # fmt: skip
+    return key
 
 
 def _captured(fn) -> list:

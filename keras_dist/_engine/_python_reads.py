@@ -27,8 +27,11 @@ False
 """
 
 import enum
+import inspect
+import itertools
 import operator
 import types
+import weakref
 
 import numpy as np
 
@@ -42,56 +45,87 @@ _MAX_READS = 1024  # functions whose global reads are kept
 
 
 class Slots:
-    """Named slots of namespaces (``(dict, name)``) whose values form one key part."""
+    """Named values whose values now form one key part: ``(module globals, name)`` slots,
+    read together, and ``(object, name)`` slots of the objects' attributes.
 
-    __slots__ = ("_slots", "_readers", "_values", "_part")
+    Nothing here keeps an object alive: an object is held weakly (never its namespace,
+    which would keep what it holds), and so is each value last read, but for numbers,
+    strings and other values that cannot be (held as they are).
+    """
 
-    def __init__(self, slots):
-        self._slots = tuple(slots)
+    __slots__ = ("_names", "_readers", "_objects", "_held", "_part")
+
+    def __init__(self, globals_slots=(), object_slots=()):
         namespaces = {}
-        for namespace, name in self._slots:
+        for namespace, name in globals_slots:
             namespaces.setdefault(id(namespace), (namespace, []))[1].append(name)
         # One C-level read of all of a namespace's names (``itemgetter``): a step's cost.
         self._readers = [_reader(namespace, names) for namespace, names in namespaces.values()]
-        self._values = None
+        self._objects = tuple((weakref.ref(obj), name) for obj, name in object_slots)
+        self._names = tuple(name for _, names in namespaces.values() for name in names)
+        self._names += tuple(name for _, name in self._objects)
+        self._held = None  # how to get each value last read back (``_holder``)
         self._part = None
 
     @property
-    def slots(self) -> tuple:
-        """The ``(namespace, name)`` slots."""
-        return self._slots
+    def names(self) -> tuple:
+        """The names read, in the order of ``values``."""
+        return self._names
 
     @property
     def values(self) -> tuple:
         """The slots' values now."""
-        try:
-            if len(self._readers) == 1:
-                return self._readers[0]()
-            return tuple(value for read in self._readers for value in read())
-        except KeyError:  # (a name deleted, or not yet defined)
-            return tuple(namespace.get(name, _UNSET) for namespace, name in self._slots)
+        values = ()
+        for read in self._readers:
+            values += read()
+        if self._objects:
+            values += tuple(_attribute(ref, name) for ref, name in self._objects)
+        return values
 
     def part(self, values=None):
         """The slots' values now (or ``values``) as one comparable part."""
-        if not self._slots:
+        if not self._names:
             return _NOTHING_READ
         values = self.values if values is None else values
-        last = self._values
-        if last is not None and all(map(operator.is_, values, last)):
+        held = self._held
+        if held is not None and all(map(operator.is_, values, map(_CALL, held))):
             return self._part
-        names = tuple(name for _, name in self._slots)
-        part = Contents(tuple, names, tuple(static_key(value) for value in values))
-        # A list or dict may change in place: compared by what it holds on every call.
-        mutable = any(isinstance(value, (list, dict)) for value in values)
-        self._values, self._part = (None if mutable else values), part
+        part = Contents(tuple, self._names, tuple(static_key(value) for value in values))
+        holders = tuple(_holder(value) for value in values)
+        self._held = None if None in holders else holders
+        self._part = part
         return part
+
+
+_CALL = operator.methodcaller("__call__")
+
+
+def _holder(value):
+    """A callable giving ``value`` back (held weakly where it can be), or ``None`` for a
+    list, dict or tuple: what it holds may change, so it is compared anew every call."""
+    if isinstance(value, (list, dict, tuple)):
+        return None
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return itertools.repeat(value).__next__  # (a number or string: held as it is)
+
+
+def _attribute(ref, name):
+    obj = ref()
+    return _UNSET if obj is None else getattr(obj, name, _UNSET)
 
 
 def _reader(namespace, names):
     get = operator.itemgetter(*names)
-    if len(names) == 1:
-        return lambda: (get(namespace),)
-    return lambda: get(namespace)
+
+    def read():
+        try:
+            return (get(namespace),) if len(names) == 1 else get(namespace)
+        except KeyError:  # (a name deleted, or not yet defined)
+            return tuple(namespace.get(name, _UNSET) for name in names)
+
+    return read
 
 
 _NOTHING_READ = Contents(tuple, (), ())
@@ -105,13 +139,13 @@ class GlobalReads:
 
     def __init__(self, fn):
         self.names, slots = _global_names(fn)
-        self._globals = Slots(slots)
+        self._globals = Slots(globals_slots=slots)
         self._attributes = None  # for the objects the globals held when last read
         self._last = (None, None, None)  # (globals' part, attributes' part, both)
 
     def part(self):
         """The globals' values now (and those attributes'), as one comparable part."""
-        if self._attributes is not None and not self._globals.slots:
+        if self._attributes is not None and not self._globals.names:
             return self._last[2]  # (no global read: nothing can change)
         values = self._globals.values
         globals_part = self._globals.part(values)
@@ -144,15 +178,20 @@ def attribute_slots(names, objects) -> Slots:
     """The slots of the scalar attributes named in ``names`` of each of ``objects``."""
     slots = []
     for obj in objects:
-        namespace = getattr(obj, "__dict__", None)
-        if not isinstance(namespace, dict) or isinstance(obj, (type, types.FunctionType)):
+        if isinstance(obj, (type, types.FunctionType, *_SCALARS)):
             continue  # (a class's or a function's attributes are its code's, not state)
+        try:
+            weakref.ref(obj)
+        except TypeError:
+            continue  # (not to be held weakly: its attributes are not followed)
+        # Looked up without running properties or other descriptors (their values are
+        # the code's, and may cost anything): plain attributes only.
         slots += [
-            (namespace, name)
+            (obj, name)
             for name in names
-            if name in namespace and isinstance(namespace[name], _SCALARS)
+            if isinstance(inspect.getattr_static(obj, name, _UNSET), _SCALARS)
         ]
-    return Slots(slots)
+    return Slots(object_slots=slots)
 
 
 def _global_names(fn) -> tuple:

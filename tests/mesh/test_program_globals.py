@@ -7,6 +7,9 @@ so a program's key holds the values of the globals its code reads (those of the
 same module's helper functions too).
 """
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 from conftest import cpus
@@ -155,3 +158,19 @@ def test_a_changed_attribute_of_a_global_object_counts():
         config.scale = value
         results.append(_mean(strategy, strategy.run(lambda x: x * config.scale, args=(ONE,))))
     assert results == [1.0, 6.0]
+
+
+def test_what_a_program_read_is_not_kept_alive():
+    # The attributes are read from the object held weakly, never through its __dict__
+    # (which would keep what the object holds, a model's layers, alive after it).
+    strategy = kd.MirroredStrategy(cpus(2))
+
+    def run_once():
+        scaler = _Scaler(strategy)
+        scaler.payload = np.ones(4)
+        assert _mean(strategy, strategy.run(lambda x: x * scaler.scale, args=(ONE,))) == 1.0
+        return weakref.ref(scaler.payload)
+
+    payload = run_once()
+    gc.collect()
+    assert payload() is None

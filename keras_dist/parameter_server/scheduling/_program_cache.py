@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_dist._engine._function_key import FunctionKey
+from keras_dist._engine._function_key import key_of
 from keras_dist._engine._key_parts import static_key
 from keras_dist._keras import on_unbuilt_apply
 from keras_dist._keras import routing_gradients
@@ -214,7 +214,7 @@ class ProgramCache:
             variables = self._strategy.extended.live_variables()
             # The function by its code and captures (held weakly): a closure made
             # afresh for every schedule is traced once, as with tf.function.
-            key = (FunctionKey(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
+            key = (key_of(fn), treedef, tuple(signature), tuple(id(v) for v in variables))
             with self._lock:
                 program = self._programs.get(key)
                 used = program.used_variables() if program is not None else None
