@@ -28,7 +28,10 @@ class RecordingScope(StatelessScope):
     """
 
     def __init__(self, mapping: dict, deferred_writes: "list | None" = None, parent=None):
-        super().__init__(initialize_variables=False)
+        # Losses a layer adds in its call (``add_loss``, activity regularizers) are kept
+        # in the scope, so ``model.losses`` inside a replica function or a loss given to
+        # ``value_and_grad`` holds them, as it does eagerly (TF's tape sees them too).
+        super().__init__(collect_losses=True, initialize_variables=False)
         self.state_mapping = mapping
         self.assigned: dict = {}
         self.unmapped: dict = {}

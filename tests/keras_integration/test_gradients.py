@@ -289,3 +289,34 @@ def test_integer_variables_get_no_gradient(engine):
             assert np.asarray(value).shape == tuple(variable.shape)
     kernel = strategy.experimental_local_results(grads[0])[0]
     np.testing.assert_allclose(kernel, np.full((3, 2), 4.0))  # every replica: the 4 rows
+
+
+class _AddsItsInputsSum(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.sum(x))
+        return x
+
+
+def test_losses_a_layer_adds_are_seen_inside_a_loss_function(engine):
+    # model.losses inside the loss holds what the call added, as eagerly and on TF's tape.
+    strategy = kd.MirroredStrategy(cpus(2))
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones"),
+             _AddsItsInputsSum()]
+        )  # fmt: skip
+
+    def replica_fn(x):
+        def loss_fn():
+            out = model(x)
+            return keras.ops.sum(out) + keras.ops.sum(model.losses), len(model.losses)
+
+        (loss, count), grads = kd.value_and_grad(loss_fn, model.trainable_variables, True)()
+        return loss, count, grads[0]
+
+    loss, count, kernel_grad = strategy.run(replica_fn, args=(np.full((2, 1), 3.0, "float32"),))
+    assert {int(n) for n in strategy.experimental_local_results(count)} == {1}
+    for value in strategy.experimental_local_results(loss):
+        assert float(value) == pytest.approx(12.0)  # sum(out) = 6, and the added loss 6
+    for value in strategy.experimental_local_results(kernel_grad):
+        np.testing.assert_allclose(value, [[12.0]])  # 2 * sum(x)

@@ -6,10 +6,6 @@ in a key matches any characters (the other characters match themselves).
 """
 
 KNOWN_FAILURES = {
-    "test_distribute_strategy.py::test_correctness_of_add_loss_with_merge_call[*]": (
-        "model.losses is empty inside kd.value_and_grad (its StatelessScope drops the losses "
-        "a layer adds in call); TF's tape keeps them"
-    ),
     "test_distribute_strategy.py::test_optimizer_in_cross_replica_context_raises_error[*]": (
         "optimizer.apply_gradients in the cross-replica context applies the gradients instead "
         "of raising tf-keras's RuntimeError"
