@@ -36,7 +36,6 @@ from keras_dist._capabilities import MeshRuntime
 from keras_dist._engine import MISSED
 from keras_dist._engine import ReplicatedOutput
 from keras_dist._engine._gate import GATE
-from keras_dist._engine._gate import needs_serializing
 from keras_dist._input import GlobalBatchSplitter
 from keras_dist._input import batch_rows
 from keras_dist._input import densify
@@ -52,6 +51,8 @@ from keras_dist._keras_steps._fused_steps import MultiStep
 from keras_dist._keras_steps._fused_steps import fused_steps
 from keras_dist._keras_steps._fused_steps import steps_fuse
 from keras_dist._keras_steps._per_shape_steps import PerShapeSteps
+from keras_dist._keras_steps._predict_outputs import pad_rows
+from keras_dist._keras_steps._predict_outputs import predicted_rows
 from keras_dist._keras_steps._repeated_steps import RepeatedSteps
 from keras_dist._keras_steps._uneven_batches import UnevenBatchWatch
 from keras_dist._values import PerReplica
@@ -377,9 +378,7 @@ class DistributedSteps:
         # the last included), rounded up to a multiple of the replica count.
         if self._predict_rows is None or rows > self._predict_rows:
             self._predict_rows = -(-rows // n) * n
-        padded = jax.tree_util.tree_map(
-            lambda x: _pad_rows(np.asarray(x), self._predict_rows), data
-        )
+        padded = jax.tree_util.tree_map(lambda x: pad_rows(np.asarray(x), self._predict_rows), data)
         # Every padded batch has the first one's layout: after it, its program is
         # called directly (``RepeatedSteps``), as ``fit``'s and ``evaluate``'s are.
         outputs = self._run_repeated("predict", padded, None)
@@ -390,7 +389,7 @@ class DistributedSteps:
                 "predict", padded, _had_uneven(split), self._replica_predict_step, split
             )
         return jax.tree_util.tree_map(
-            lambda v: _predicted_rows(extended, v, rows),
+            lambda v: predicted_rows(extended, v, rows),
             outputs,
             is_leaf=lambda x: isinstance(x, PerReplica),
         )
@@ -440,40 +439,6 @@ def _had_uneven(per_replica_logs) -> bool:
             per_replica_logs, is_leaf=lambda x: isinstance(x, PerReplica)
         )
     )
-
-
-def _pad_rows(x, rows):
-    if x.ndim == 0 or x.shape[0] == rows:
-        return x
-    padding = np.repeat(x[-1:], rows - x.shape[0], axis=0)
-    return np.concatenate([x, padding])
-
-
-def _predicted_rows(extended, value, rows):
-    """A predict step's output for the batch's ``rows`` (its padding cut off).
-
-    One replica's output stays on its device, as plain Keras's does: Keras joins
-    the batches' outputs at the end, so the next batch is dispatched without
-    waiting for this one. Several replicas' are joined on the host now, and so is
-    a replica's on several CPU devices: cutting its padding off there would be an
-    execution outside the gate (``_engine/_gate.py``).
-    """
-    if (
-        isinstance(value, jax.Array)
-        and not isinstance(value, jax.core.Tracer)
-        and not needs_serializing(list(value.sharding.device_set))
-    ):
-        return value if value.shape[0] == rows else value[:rows]
-    return _concatenate_replicas(extended, value)[:rows]
-
-
-def _concatenate_replicas(extended, value):
-    if isinstance(value, PerReplica):
-        if value.stacked is not None:
-            stacked = np.asarray(extended.placement.all_rows(value.stacked))
-            return stacked.reshape((-1,) + stacked.shape[2:])
-        return np.concatenate([np.asarray(c) for c in value.values])
-    return np.asarray(value)
 
 
 def _write_back(model, step, new_state):

@@ -865,6 +865,14 @@ def _keras_correctness_worker():
             )
             runs.append(history.history["loss"] + [float(w.sum()) for w in model.get_weights()])
         results[reduction] = runs
+    # predict's eager steps (jit_compile=False) give every worker's rows, in order.
+    with strategy.scope():
+        identity = keras.Sequential([keras.Input((1,)), keras.layers.Identity()])
+        identity.compile(jit_compile=False)
+    rows = np.arange(37, dtype="float32").reshape(37, 1)
+    results["eager_predict"] = [
+        identity.predict(rows, batch_size=size, verbose=0)[:, 0].tolist() for size in (3, 16)
+    ]
     return results
 
 
@@ -878,6 +886,7 @@ def test_keras_correctness_cases_on_two_workers_match_tf():
             distributed, one_device = result[reduction]
             np.testing.assert_allclose(distributed, one_device, rtol=1e-5, atol=1e-7)
         assert result["sum"][0][0] == pytest.approx(6.30027, rel=1e-5)
+        assert result["eager_predict"] == [list(range(37))] * 2
 
 
 def test_keras_dist_launch_runs_the_multi_worker_example(tmp_path):
