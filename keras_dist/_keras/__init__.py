@@ -58,6 +58,7 @@ from keras_dist._keras._trainer import compiled_under as compiled_under
 from keras_dist._keras._trainer import execution_batches as execution_batches
 from keras_dist._keras._trainer import fit_callbacks as fit_callbacks
 from keras_dist._keras._trainer import install_trainer_hook
+from keras_dist._keras._trainer import running_loop as running_loop
 from keras_dist._keras._variable_hooks import StrategyDistribution as StrategyDistribution
 from keras_dist._keras._variable_hooks import install_variable_hook
 from keras_dist._keras._variable_hooks import (

@@ -12,7 +12,7 @@ it). Internals used: the ``JAXTrainer`` loops and ``make_*_function``,
 import contextlib
 import functools
 import inspect
-import numbers
+import threading
 from typing import Protocol
 
 import keras
@@ -28,7 +28,11 @@ from keras_dist._keras._internals import ProgbarLogger
 from keras_dist._keras._internals import Trainer
 from keras_dist._keras._internals import is_default
 from keras_dist._keras._internals import jax_trainer_module
+from keras_dist._keras._loop_arguments import apply_auto_shard_policies
+from keras_dist._keras._loop_arguments import read_to_the_end
+from keras_dist._keras._loop_arguments import require_steps_for_endless_inputs
 from keras_dist._keras._variable_hooks import is_strategy_distribution
+from keras_dist._thread_state import set_for_block
 
 _LOOPS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
 _STEP_FUNCTIONS = (
@@ -89,9 +93,9 @@ def _wrap_loop(original, training):
         bound = signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
         strategy = training.model_strategy(self)
-        _apply_auto_shard_policies(arguments, strategy, training, original.__name__)
-        _require_steps_for_endless_inputs(arguments)
-        _read_to_the_end(arguments)
+        apply_auto_shard_policies(arguments, strategy, training, original.__name__)
+        require_steps_for_endless_inputs(arguments)
+        read_to_the_end(arguments)
         args, kwargs = bound.args[1:], bound.kwargs
         quiet = original.__name__ in ("fit", "evaluate") and quiet_between_steps(
             arguments.get("callbacks")
@@ -189,11 +193,32 @@ _BATCH_HOOKS = tuple(
 )
 
 
+class _RunningLoop(threading.local):
+    name = None  # the Keras loop running on this thread ("fit", "train_on_batch", ...)
+
+
+_running_loop = _RunningLoop()
+
+
+def running_loop():
+    """The name of the Keras loop running on this thread under a strategy, or ``None``.
+
+    ``*_on_batch`` return their batch's own logs: steps that run asynchronously (a
+    parameter server's) wait for it there.
+    """
+    return _running_loop.name
+
+
 def _run_loop(self, original, training, quiet, args, kwargs):
     strategy = training.model_strategy(self)
     if strategy is None:
         training.check_fit_context(self)
         return original(self, *args, **kwargs)
+    with set_for_block(_running_loop, "name", original.__name__):
+        return _run_loop_in(self, strategy, original, training, quiet, args, kwargs)
+
+
+def _run_loop_in(self, strategy, original, training, quiet, args, kwargs):
     # One loop at a time per strategy: its steps donate the variables they
     # write, so another thread's step would delete this one's buffers.
     with strategy.extended.lock:
@@ -205,57 +230,6 @@ def _run_loop(self, original, training, quiet, args, kwargs):
                 strategy.extended.agree_on_host_random_state()
         with strategy.scope(), training.reading(), training.steps_run_on(quiet):
             return original(self, *args, **kwargs)
-
-
-def _apply_auto_shard_policies(arguments, strategy, training, loop) -> None:
-    """Inputs carrying an auto-shard policy, as the loop reads them (``fit`` shuffles
-    its ``x`` unless told not to, as Keras does)."""
-    shuffle = {"x": arguments.get("shuffle", loop == "fit"), "validation_data": False}
-    for name in ("x", "validation_data"):
-        if arguments.get(name) is not None:
-            steps = next((arguments[s] for s in _STEPS_FOR[name] if s in arguments), None)
-            steps_name = _STEPS_FOR[name][0 if loop == "fit" or name != "x" else 1]
-            arguments[name] = training.loop_input(
-                arguments[name], strategy, shuffle[name], steps, (name, steps_name)
-            )
-
-
-# Which argument gives the number of steps for an input, per loop argument.
-_STEPS_FOR = {"x": ("steps_per_epoch", "steps"), "validation_data": ("validation_steps",)}
-
-
-def _require_steps_for_endless_inputs(arguments) -> None:
-    """TF's rule: an input built on the workers has no length, so the steps must be given."""
-    for name, steps_names in _STEPS_FOR.items():
-        data = arguments.get(name)
-        if not getattr(data, "keras_dist_needs_steps", False):
-            continue
-        if not any(arguments.get(s) is not None for s in steps_names if s in arguments):
-            raise ValueError(
-                "When using a `tf.keras.utils.experimental.DatasetCreator`, "
-                "`steps_per_epoch`, `validation_steps`, `steps`, or "
-                "`pss_evaluation_shards` argument must be provided in `Model.fit`, "
-                "`Model.evaluate`, or `Model.predict`. Received: "
-                f"{name}={type(data).__name__} without {' or '.join(steps_names)}"
-            )
-
-
-def _read_to_the_end(arguments) -> None:
-    """tf-keras's ``steps=-1``: the input is read until it ends, as without steps.
-
-    Keras 3 counts -1 as a number of steps: callbacks saw batch -2, the progress
-    bar -1 steps, and each epoch ended in "Your input ran out of data". An input
-    that never ends is read without end, as tf-keras's ("The training loop will
-    run indefinitely"); ``loop_input`` has already taken -1 for such inputs.
-    """
-    for names in _STEPS_FOR.values():
-        for name in names:
-            if name in arguments and _is_minus_one(arguments[name]):
-                arguments[name] = None
-
-
-def _is_minus_one(steps) -> bool:
-    return isinstance(steps, numbers.Integral) and int(steps) == -1
 
 
 def execution_batches(model, iterator) -> list:

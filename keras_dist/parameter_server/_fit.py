@@ -28,6 +28,7 @@ import numpy as np
 
 from keras_dist import errors
 from keras_dist._keras import execution_batches
+from keras_dist._keras import running_loop
 from keras_dist._keras import step_state
 from keras_dist.parameter_server._data import FromWorkers
 from keras_dist.parameter_server.scheduling._between_graph import LocalScheduler
@@ -144,7 +145,12 @@ class ParameterServerSteps:
         else:
             self._pending.append(self.coordinator.schedule(steps[0], args=(tuple(batches),)))
         # Enough steps queued to keep every worker busy; older ones are waited for.
-        limit = 2 * self.strategy.extended.num_workers
+        # ``train_on_batch`` and ``test_on_batch`` return their own batch's logs.
+        limit = (
+            0
+            if (running_loop() or "").endswith("_on_batch")
+            else 2 * (self.strategy.extended.num_workers)
+        )
         try:
             while len(self._pending) > limit or (self._last_logs is None and self._pending):
                 self._last_logs = _fetch(self._pending.pop(0))

@@ -286,3 +286,26 @@ def test_an_optimizer_created_outside_a_mirrored_scope_is_refused_by_name():
     model.compile(keras.optimizers.Adam(0.1), "mse")
     with pytest.raises(ValueError, match="optimizer was created outside"):
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_train_and_test_on_batch_return_their_own_batch_logs():
+    # fit's batch-level logs may be a step behind (the steps run ahead); a single batch's
+    # call returns its own, as plain Keras's does.
+    def build():
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(3, use_bias=False, kernel_initializer="ones")]
+        )
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        return model
+
+    x, y = np.ones((16, 4), "float32"), np.zeros((16, 3), "float32")
+    plain = build()
+    expected = [plain.train_on_batch(x, y) for _ in range(3)] + [plain.test_on_batch(x, y)]
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=1, num_ps=1)
+    )
+    with strategy.scope():
+        model = build()
+    actual = [model.train_on_batch(x, y) for _ in range(3)] + [model.test_on_batch(x, y)]
+    np.testing.assert_allclose(actual, expected, rtol=1e-6)
+    assert expected[0] != expected[1]  # (each batch's own loss)
