@@ -193,20 +193,29 @@ _BATCH_HOOKS = tuple(
 )
 
 
+class LoopRun:
+    """One call of a Keras loop (``fit``, ``train_on_batch``, ...) under a strategy."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
 class _RunningLoop(threading.local):
-    name = None  # the Keras loop running on this thread ("fit", "train_on_batch", ...)
+    run = None  # the ``LoopRun`` on this thread
 
 
 _running_loop = _RunningLoop()
 
 
 def running_loop():
-    """The name of the Keras loop running on this thread under a strategy, or ``None``.
+    """The ``LoopRun`` running on this thread under a strategy, or ``None``.
 
-    ``*_on_batch`` return their batch's own logs: steps that run asynchronously (a
-    parameter server's) wait for it there.
+    Steps that run asynchronously (a parameter server's) keep their logs per run (a
+    recompiled model's logs have other names), and ``*_on_batch`` wait for their own.
     """
-    return _running_loop.name
+    return _running_loop.run
 
 
 def _run_loop(self, original, training, quiet, args, kwargs):
@@ -214,7 +223,7 @@ def _run_loop(self, original, training, quiet, args, kwargs):
     if strategy is None:
         training.check_fit_context(self)
         return original(self, *args, **kwargs)
-    with set_for_block(_running_loop, "name", original.__name__):
+    with set_for_block(_running_loop, "run", LoopRun(original.__name__)):
         return _run_loop_in(self, strategy, original, training, quiet, args, kwargs)
 
 

@@ -91,6 +91,7 @@ class ParameterServerSteps:
             self.coordinator = ClusterCoordinator(strategy)
         self._pending: list = []
         self._last_logs = None
+        self._logs_run = None  # the Keras loop run ``_last_logs`` came from
         self._iterators: dict = {}
 
     @property
@@ -136,6 +137,13 @@ class ParameterServerSteps:
         request, the variables read once and the updates sent once for all of them.
         """
         self.strategy.extended.set_settle(weakref.WeakMethod(self.settle))
+        # A loop never returns logs of an earlier one (a recompiled model's have other
+        # names): that loop's steps still queued are waited for first, their logs dropped.
+        run = running_loop()
+        if run is not self._logs_run:
+            while self._pending:
+                _fetch(self._pending.pop(0))
+            self._logs_run, self._last_logs = run, None
         batches = self._batches(iterator)
         if _from_workers(batches[0]):
             # A DatasetCreator: the worker reads the batches from its own pipeline.
@@ -146,11 +154,8 @@ class ParameterServerSteps:
             self._pending.append(self.coordinator.schedule(steps[0], args=(tuple(batches),)))
         # Enough steps queued to keep every worker busy; older ones are waited for.
         # ``train_on_batch`` and ``test_on_batch`` return their own batch's logs.
-        limit = (
-            0
-            if (running_loop() or "").endswith("_on_batch")
-            else 2 * (self.strategy.extended.num_workers)
-        )
+        on_batch = run is not None and run.name.endswith("_on_batch")
+        limit = 0 if on_batch else 2 * self.strategy.extended.num_workers
         try:
             while len(self._pending) > limit or (self._last_logs is None and self._pending):
                 self._last_logs = _fetch(self._pending.pop(0))

@@ -309,3 +309,20 @@ def test_train_and_test_on_batch_return_their_own_batch_logs():
     actual = [model.train_on_batch(x, y) for _ in range(3)] + [model.test_on_batch(x, y)]
     np.testing.assert_allclose(actual, expected, rtol=1e-6)
     assert expected[0] != expected[1]  # (each batch's own loss)
+
+
+def test_a_recompiled_model_logs_its_new_metrics():
+    # Keras's test_recompile: every loop's logs are its own (an evaluate's logs, or those
+    # of the model before it was compiled again, never stand for a later loop's).
+    x, y = np.ones((3, 2), "float32"), np.ones((3, 3), "float32")
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=1, num_ps=1)
+    )
+    keys = []
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+        for metric in ("mean_squared_error", "mean_absolute_error"):
+            model.compile("sgd", "mse", metrics=[metric])
+            keys.append(sorted(model.fit(x, y, verbose=0).history))
+            keys.append(sorted(model.evaluate(x, y, return_dict=True, verbose=0)))
+    assert keys == [["loss", "mean_squared_error"]] * 2 + [["loss", "mean_absolute_error"]] * 2
