@@ -27,7 +27,6 @@ from keras_dist._engine._key_parts import Identity
 from keras_dist._engine._key_parts import Value
 from keras_dist._engine._key_parts import identity_part
 from keras_dist._engine._key_parts import key_part
-from keras_dist._engine._python_reads import Slots
 from keras_dist._engine._python_reads import attribute_slots
 from keras_dist._engine._python_reads import global_reads
 
@@ -63,17 +62,20 @@ class FunctionKey:
     * Any other callable is itself, held weakly.
     """
 
-    __slots__ = ("_parts", "_hash", "code")
+    __slots__ = ("_parts", "_hash", "code", "reads")
 
     def __init__(self, fn):
+        self.reads = None  # ``(global reads, attribute slots)`` the key holds the parts of
         if isinstance(fn, types.MethodType):
             parts = (identity_part(fn.__func__), identity_part(fn.__self__))
             if isinstance(fn.__func__, types.FunctionType):
-                reads = global_reads(fn.__func__)
-                parts += (reads.part(), attribute_slots(reads.names, [fn.__self__]).part())
+                self.reads = _reads(fn.__func__, [fn.__self__])
+                parts += _reads_parts(self.reads)
             self.code = MethodCode(getattr(fn.__func__, "__code__", fn.__func__), id(fn.__self__))
         elif isinstance(fn, types.FunctionType):
-            parts = _function_parts(fn)
+            captured = _captured(fn)
+            self.reads = _reads(fn, captured)
+            parts = _function_parts(fn, captured, self.reads)
             self.code = fn.__code__
         else:
             parts = (identity_part(fn),)
@@ -106,11 +108,12 @@ class FunctionKey:
 def key_of(fn) -> FunctionKey:
     """``FunctionKey(fn)``, made once for a loop that passes the same function each step.
 
-    A key is worth 10 µs of a step's host time to make. The last plain
-    function's key is kept while the function asked for has the same code and
-    globals and captures the very same objects (held weakly): a loop's step
-    function, or the closure TF's tutorials make afresh each step. A function
-    capturing a list, tuple or dict (whose contents may change) gets a new key.
+    A key is worth 10 µs of a step's host time to make. The last key of a plain
+    function (of its code) or a bound method is kept while the function asked for has
+    the same code and globals (or function and object), captures the very same objects
+    (held weakly) and reads the same Python values: a loop's step function, or the
+    closure TF's tutorials make afresh each step. A function capturing a list, tuple or
+    dict (whose contents may change) gets a new key.
 
     >>> def make(scale):
     ...     def step(x):
@@ -119,84 +122,56 @@ def key_of(fn) -> FunctionKey:
     >>> key_of(make(2)) is key_of(make(2)), key_of(make(2)) == key_of(make(3))
     (True, False)
     """
-    global _last_key
     if isinstance(fn, types.MethodType):
-        return _method_key(fn)
-    if not isinstance(fn, types.FunctionType):
+        function, owner, captured = fn.__func__, None, (fn.__self__,)  # (held weakly)
+    elif isinstance(fn, types.FunctionType):
+        function, owner, captured = fn.__code__, fn.__globals__, _captured(fn)
+    else:
         return FunctionKey(fn)
-    captured = _captured(fn)
-    last = _last_key
+    last = _kept_keys.get(id(function))
     if (
         last is not None
-        and last.code is fn.__code__
-        and last.globals is fn.__globals__
+        and last.function is function
+        and last.owner is owner
         and len(last.captured) == len(captured)
         and all(map(_is_held, last.captured, captured))
-        and last.reads.part() is last.reads_part
-        and last.attributes.part() is last.attributes_part
+        and _reads_parts(last.key.reads) == last.reads_parts
     ):
         return last.key
     key = FunctionKey(fn)
-    held = _held(captured) if isinstance(key.parts[0], Value) else None
+    comparable = key.reads is not None and (
+        isinstance(fn, types.MethodType) or isinstance(key.parts[0], Value)
+    )
+    held = _held(captured) if comparable else None
     if held is not None:
-        reads = global_reads(fn)
-        attributes = attribute_slots(reads.names, captured)
-        _last_key = _KeptKey(
-            fn.__code__, fn.__globals__, held, reads, reads.part(), attributes,
-            attributes.part(), key,
-        )  # fmt: skip
+        if len(_kept_keys) >= _MAX_KEPT and id(function) not in _kept_keys:
+            _kept_keys.pop(next(iter(_kept_keys)))
+        _kept_keys[id(function)] = _KeptKey(function, owner, held, _reads_parts(key.reads), key)
     return key
 
 
 class _KeptKey(NamedTuple):
-    code: object
-    globals: dict
-    captured: tuple  # each captured object as an ``Identity``
-    reads: object  # the function's ``GlobalReads``
-    reads_part: object  # the globals' part of ``key`` (the same object while they hold)
-    attributes: Slots  # the captured objects' scalar attributes the code names
-    attributes_part: object
+    function: object  # a plain function's code, or a method's function
+    owner: object  # the plain function's globals (``None`` for a method)
+    captured: tuple  # each captured object (a method's object) as an ``Identity``
+    reads_parts: tuple  # the key's parts of what it read (the same objects while they hold)
     key: FunctionKey
 
 
-_last_key = None
+# The last key of each of a few functions (a loop's train and test steps alternate).
+_kept_keys: dict = {}  # id(function) -> _KeptKey
+_MAX_KEPT = 8
 
 
-class _KeptMethodKey(NamedTuple):
-    func: object
-    instance: object  # the ``Identity`` of the object the method is bound to
-    reads: object
-    reads_part: object
-    attributes: Slots
-    attributes_part: object
-    key: FunctionKey
+def _reads(fn, objects) -> tuple:
+    """``fn``'s global reads and the slots of the scalar attributes it names of ``objects``."""
+    reads = global_reads(fn)
+    return reads, attribute_slots(reads.names, objects)
 
 
-_last_method_key = None
-
-
-def _method_key(fn) -> FunctionKey:
-    """``FunctionKey(fn)`` of a bound method (made afresh at every attribute access), kept
-    while the next has the same function and object and reads the same values."""
-    global _last_method_key
-    last = _last_method_key
-    if (
-        last is not None
-        and last.func is fn.__func__
-        and last.instance.referent is fn.__self__
-        and last.reads.part() is last.reads_part
-        and last.attributes.part() is last.attributes_part
-    ):
-        return last.key
-    key = FunctionKey(fn)
-    if isinstance(fn.__func__, types.FunctionType):
-        reads = global_reads(fn.__func__)
-        attributes = attribute_slots(reads.names, [fn.__self__])
-        _last_method_key = _KeptMethodKey(
-            fn.__func__, identity_part(fn.__self__), reads, reads.part(), attributes,
-            attributes.part(), key,
-        )  # fmt: skip
-    return key
+def _reads_parts(reads) -> tuple:
+    global_reads_, attributes = reads
+    return global_reads_.part(), attributes.part()
 
 
 def _captured(fn) -> list:
@@ -219,11 +194,8 @@ def _is_held(held, value) -> bool:
     return held.referent is value
 
 
-def _function_parts(fn) -> tuple:
-    captured = _captured(fn)
-    reads = global_reads(fn)
-    parts = [Value(fn.__code__), Identity(fn.__globals__, weak=False), reads.part()]
-    parts.append(attribute_slots(reads.names, captured).part())
+def _function_parts(fn, captured, reads) -> tuple:
+    parts = [Value(fn.__code__), Identity(fn.__globals__, weak=False), *_reads_parts(reads)]
     for value in captured:
         part = key_part(value)
         if part is UNRECOGNISABLE:
