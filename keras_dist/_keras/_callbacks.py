@@ -30,6 +30,9 @@ import warnings
 import keras
 
 from keras_dist._keras._internals import CallbackList
+from keras_dist._keras._internals import History
+from keras_dist._keras._internals import ProgbarLogger
+from keras_dist._keras._internals import is_default
 
 _OPS = {"min": keras.ops.less, "max": keras.ops.greater}
 
@@ -111,3 +114,74 @@ def release_after_error(callbacks) -> None:
                     f"loop failed. Received: {type(error).__name__}: {error}",
                     stacklevel=3,
                 )
+
+
+def _callback_items(callbacks) -> "list | None":
+    """The callbacks a loop was given (a list, or the ``CallbackList`` that ``fit`` hands
+    its validation ``evaluate``); ``None`` when they cannot be read."""
+    if isinstance(callbacks, CallbackList):
+        return callbacks.callbacks
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, (list, tuple)):
+        return list(callbacks)
+    return None
+
+
+def quiet_between_steps(callbacks) -> bool:
+    """Whether no callback runs code of its own between two steps of a loop.
+
+    Keras's ``History`` and progress bar only read the logs (a copy to the host).
+    """
+    items = _callback_items(callbacks)
+    if items is None:
+        return False
+    return all(
+        isinstance(callback, (History, ProgbarLogger)) or runs_nothing_at(callback, _BATCH_HOOKS)
+        for callback in items
+    )
+
+
+def reads_batch_logs(callbacks) -> bool:
+    """Whether a callback may read a batch's own logs at that batch's end.
+
+    Steps that run asynchronously (a parameter server's workers) then finish one by
+    one, so that the logs are that batch's and not the latest finished one's: TF
+    refuses such callbacks under ParameterServerStrategy. The progress bar shows the
+    latest values, and a checkpoint or TensorBoard that acts only at an epoch's end
+    reads no batch logs.
+
+    >>> import keras
+    >>> reads_batch_logs([keras.callbacks.TerminateOnNaN()])
+    True
+    >>> reads_batch_logs([keras.callbacks.TensorBoard("logs"), keras.callbacks.History()])
+    False
+    """
+    items = _callback_items(callbacks)
+    if items is None:
+        return True
+    return not all(
+        isinstance(callback, (History, ProgbarLogger))
+        or _acts_at_epochs_only(callback)
+        or runs_nothing_at(callback, _BATCH_END_HOOKS)
+        for callback in items
+    )
+
+
+def _acts_at_epochs_only(callback) -> bool:
+    # Keras's (and keras_dist's) ModelCheckpoint, BackupAndRestore and TensorBoard.
+    frequency = getattr(callback, "save_freq", getattr(callback, "update_freq", None))
+    return frequency == "epoch"
+
+
+def runs_nothing_at(callback, hooks) -> bool:
+    """Whether each of ``callback``'s ``hooks`` is ``Callback``'s empty default."""
+    return all(is_default(getattr(callback, hook, None)) for hook in hooks)
+
+
+_BATCH_HOOKS = tuple(
+    f"on_{loop}batch_{when}"
+    for loop in ("", "train_", "test_", "predict_")
+    for when in ("begin", "end")
+)
+_BATCH_END_HOOKS = tuple(hook for hook in _BATCH_HOOKS if hook.endswith("_end"))

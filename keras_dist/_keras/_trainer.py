@@ -19,14 +19,14 @@ import keras
 
 from keras_dist import _context
 from keras_dist._capabilities import MeshRuntime
+from keras_dist._keras._callbacks import quiet_between_steps
+from keras_dist._keras._callbacks import reads_batch_logs
 from keras_dist._keras._callbacks import release_after_error
+from keras_dist._keras._callbacks import runs_nothing_at
 from keras_dist._keras._internals import CallbackList
-from keras_dist._keras._internals import History
 from keras_dist._keras._internals import JAXEpochIterator
 from keras_dist._keras._internals import JAXTrainer
-from keras_dist._keras._internals import ProgbarLogger
 from keras_dist._keras._internals import Trainer
-from keras_dist._keras._internals import is_default
 from keras_dist._keras._internals import jax_trainer_module
 from keras_dist._keras._loop_arguments import apply_auto_shard_policies
 from keras_dist._keras._loop_arguments import read_to_the_end
@@ -97,16 +97,15 @@ def _wrap_loop(original, training):
         require_steps_for_endless_inputs(arguments)
         read_to_the_end(arguments)
         args, kwargs = bound.args[1:], bound.kwargs
-        quiet = original.__name__ in ("fit", "evaluate") and quiet_between_steps(
-            arguments.get("callbacks")
-        )
         callbacks = arguments.get("callbacks")
+        quiet = original.__name__ in ("fit", "evaluate") and quiet_between_steps(callbacks)
+        run = LoopRun(original.__name__, exact_batch_logs=reads_batch_logs(callbacks))
         try:
             if original.__name__ == "fit":
                 _keras_callbacks_across_processes(callbacks, strategy)
                 with _fitting_with(self, callbacks):
-                    return _run_loop(self, original, training, quiet, args, kwargs)
-            return _run_loop(self, original, training, quiet, args, kwargs)
+                    return _run_loop(self, original, training, quiet, run, args, kwargs)
+            return _run_loop(self, original, training, quiet, run, args, kwargs)
         except BaseException:
             # Keras calls the end hooks only when its loop returns: the writers,
             # threads and files a callback holds are closed here instead.
@@ -162,44 +161,18 @@ def fit_callbacks(model) -> tuple:
     return getattr(model, "_keras_dist_fit_callbacks", ())
 
 
-def quiet_between_steps(callbacks) -> bool:
-    """Whether no callback runs code of its own between two steps of a loop.
-
-    Keras's ``History`` and progress bar only read the logs (a copy to the host).
-    ``callbacks`` is what ``fit`` or ``evaluate`` was given (a list, or the
-    ``CallbackList`` that ``fit`` hands its validation ``evaluate``).
-    """
-    if isinstance(callbacks, CallbackList):
-        callbacks = callbacks.callbacks
-    if callbacks is None:
-        return True
-    if not isinstance(callbacks, (list, tuple)):
-        return False
-    return all(
-        isinstance(callback, (History, ProgbarLogger)) or _runs_nothing_at(callback, _BATCH_HOOKS)
-        for callback in callbacks
-    )
-
-
-def _runs_nothing_at(callback, hooks) -> bool:
-    """Whether each of ``callback``'s ``hooks`` is ``Callback``'s empty default."""
-    return all(is_default(getattr(callback, hook, None)) for hook in hooks)
-
-
-_BATCH_HOOKS = tuple(
-    f"on_{loop}batch_{when}"
-    for loop in ("", "train_", "test_", "predict_")
-    for when in ("begin", "end")
-)
-
-
 class LoopRun:
-    """One call of a Keras loop (``fit``, ``train_on_batch``, ...) under a strategy."""
+    """One call of a Keras loop (``fit``, ``train_on_batch``, ...) under a strategy.
 
-    __slots__ = ("name",)
+    ``exact_batch_logs``: a callback reads each batch's own logs at its end
+    (``reads_batch_logs``), so steps that run asynchronously are waited for one by one.
+    """
 
-    def __init__(self, name: str):
+    __slots__ = ("name", "exact_batch_logs")
+
+    def __init__(self, name: str, exact_batch_logs: bool = False):
         self.name = name
+        self.exact_batch_logs = exact_batch_logs
 
 
 class _RunningLoop(threading.local):
@@ -218,12 +191,12 @@ def running_loop():
     return _running_loop.run
 
 
-def _run_loop(self, original, training, quiet, args, kwargs):
+def _run_loop(self, original, training, quiet, run, args, kwargs):
     strategy = training.model_strategy(self)
     if strategy is None:
         training.check_fit_context(self)
         return original(self, *args, **kwargs)
-    with set_for_block(_running_loop, "run", LoopRun(original.__name__)):
+    with set_for_block(_running_loop, "run", run):
         return _run_loop_in(self, strategy, original, training, quiet, args, kwargs)
 
 
@@ -430,7 +403,7 @@ def _wrap_batch_end(original, calls):
 
     @functools.wraps(original)
     def on_batch_end(self, batch, logs=None):
-        if _in_strategy() and all(_runs_nothing_at(c, calls) for c in self.callbacks):
+        if _in_strategy() and all(runs_nothing_at(c, calls) for c in self.callbacks):
             return None
         return original(self, batch, logs)
 

@@ -36,7 +36,7 @@ from keras_dist.parameter_server.scheduling._cluster_coordinator import ClusterC
 from keras_dist.parameter_server.scheduling._remote_value import raisable
 
 
-def _write_state(groups, old_state, new_state) -> None:
+def _write_state(groups, old_state, new_state, kinds=("add", "set", "add", "add")) -> None:
     """Writes Keras's new state: increments, so concurrent workers' steps compose.
 
     A value Keras left as it was is not written (nor read again: the
@@ -44,9 +44,7 @@ def _write_state(groups, old_state, new_state) -> None:
     their update is sent as gradients instead). Statistics of non-trainable
     layers (batch norm) are overwritten.
     """
-    for variables, old, new, kind in zip(
-        groups, old_state, new_state, ("add", "set", "add", "add")
-    ):
+    for variables, old, new, kind in zip(groups, old_state, new_state, kinds):
         for variable, before, after in zip(variables, old, new):
             if after is before:
                 continue
@@ -153,9 +151,10 @@ class ParameterServerSteps:
         else:
             self._pending.append(self.coordinator.schedule(steps[0], args=(tuple(batches),)))
         # Enough steps queued to keep every worker busy; older ones are waited for.
-        # ``train_on_batch`` and ``test_on_batch`` return their own batch's logs.
-        on_batch = run is not None and run.name.endswith("_on_batch")
-        limit = 0 if on_batch else 2 * self.strategy.extended.num_workers
+        # ``train_on_batch`` and ``test_on_batch`` return their own batch's logs, and
+        # so does each step when a callback reads a batch's logs at its end.
+        own_logs = run is not None and (run.name.endswith("_on_batch") or run.exact_batch_logs)
+        limit = 0 if own_logs else 2 * self.strategy.extended.num_workers
         try:
             while len(self._pending) > limit or (self._last_logs is None and self._pending):
                 self._last_logs = _fetch(self._pending.pop(0))
@@ -217,7 +216,8 @@ class ParameterServerSteps:
         model = self.model
         state = step_state(model, "test")
         logs, new_state = model.test_step(state, data)
-        _write_state((model.metrics_variables,), state[2:], new_state[2:])
+        groups = (model.non_trainable_variables, model.metrics_variables)
+        _write_state(groups, state[1:], new_state[1:], ("set", "add"))
         return logs
 
     def _predict_steps(self, batches):
@@ -226,5 +226,8 @@ class ParameterServerSteps:
     def _predict_step(self, data):
         model = self.model
         state = step_state(model, "predict")
-        outputs, _ = model.predict_step(state, data)
+        outputs, non_trainable = model.predict_step(state, data)
+        # As Keras's predict: the layers' state moves on (a seed generator's, so
+        # that a dropout kept on at inference draws a new mask each call).
+        _write_state((model.non_trainable_variables,), state[1:2], (non_trainable,), ("set",))
         return outputs

@@ -16,6 +16,19 @@ _LAST_BATCH_INDEX = (
     "steps_per_execution=20 on 50 batches ends at batch 49)."
 )
 
+_PS_ASYNCHRONOUS = (
+    "Two workers run steps at once on weights read before the other's update "
+    "(asynchronous training, as TF's parameter servers); with one worker "
+    "(KERAS_DIST_SUITE_PS_WORKERS=1) it passes."
+)
+_PS_PROGRAM_TRACES = (
+    "Under ParameterServerStrategy an execution's 20 steps are one program sent to the "
+    "workers, unrolled (20 traces a pass), built once and reused for every execution: "
+    "traced to find the variables it reads and writes on the ps tasks (and, for a "
+    "`train_step` whose later steps read what earlier ones updated, again to run every "
+    "update on the worker), then exported (`jax.export`): 40 to 60 traces, once."
+)
+
 KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
     **{
         f"trainers/trainer_test.py::TestTrainer::test_steps_per_execution_steps_count_{n}_{mode}": (
@@ -33,14 +46,19 @@ KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
         "the other workers read them there (under ParameterServerStrategy, on the ps tasks).",
     ),
     "trainers/trainer_test.py::TestTrainer::test_retracing": (
-        _MESH,
+        _ALL,
         "It counts Python traces of `train_step` (at most 2), with steps_per_execution=20 "
         "and batches of 1 row. Under MirroredStrategy(4) (or 2 workers of 2 devices) each "
         "batch leaves 3 replicas "
         "empty: each replica's step is traced at its own shape (1 row, 0 rows) into one "
         "program (4 traces). Under OneDeviceStrategy the 20 steps of an execution are "
         "unrolled into one program (20 traces; Keras loops over them). Either program is "
-        "compiled once and reused for every execution.",
+        "compiled once and reused for every execution. " + _PS_PROGRAM_TRACES,
+    ),
+    "trainers/trainer_test.py::TestTrainer::test_retracing_predict": (
+        ("parameter_server",),
+        "It counts Python traces of `predict_step` (at most 2), with steps_per_execution=20. "
+        + _PS_PROGRAM_TRACES,
     ),
     **{
         f"trainers/trainer_test.py::TestTrainer::test_fit_with_data_adapter_py_dataset{case}": (
@@ -71,9 +89,19 @@ KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "trainers/trainer_test.py::TestTrainer::test_loss_weights": (
         ("parameter_server",),
-        "It checks the loss after 4 epochs against one device's training to atol=1e-3. Two "
-        "workers run steps at once on weights read before the other's update (asynchronous "
-        "training, as TF's parameter servers); with one worker (KERAS_DIST_SUITE_PS_WORKERS=1) "
-        "it passes.",
+        "It checks the loss after 4 epochs against one device's training to atol=1e-3. "
+        + _PS_ASYNCHRONOUS,
     ),
+    **{
+        "trainers/trainer_test.py::TestTrainer::"
+        f"test_steps_per_execution_steps_count_unknown_dataset_size_{n}_{mode}": (
+            ("parameter_server",),
+            "It compares the epoch losses and weights of a fit with a batch-level callback "
+            "against a fit without one, to 1e-6. A callback that reads a batch's logs makes "
+            "the steps run one after another (so that its logs are that batch's); without "
+            "one they run asynchronously. " + _PS_ASYNCHRONOUS,
+        )
+        for n in (3, 101)
+        for mode in ("eager", "jit", "non_jit")
+    },
 }

@@ -16,7 +16,7 @@ from conftest import cpus
 
 import keras_dist as kd
 from keras_dist._engine._gate import GATE
-from keras_dist._keras._trainer import quiet_between_steps
+from keras_dist._keras._callbacks import quiet_between_steps
 
 
 def _heavy(x):

@@ -326,3 +326,76 @@ def test_a_recompiled_model_logs_its_new_metrics():
             keys.append(sorted(model.fit(x, y, verbose=0).history))
             keys.append(sorted(model.evaluate(x, y, return_dict=True, verbose=0)))
     assert keys == [["loss", "mean_squared_error"]] * 2 + [["loss", "mean_absolute_error"]] * 2
+
+
+class _BatchLosses(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(logs["loss"])
+
+
+def test_a_callback_reading_batch_logs_gets_each_batch_own_loss_on_two_workers():
+    # The steps otherwise run ahead of the callbacks (two workers, steps in flight): a
+    # callback reading a batch's logs would get an earlier step's. TF refuses such
+    # callbacks; here the steps then run one after another, each batch's loss its own.
+    def build():
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(1, kernel_initializer="ones")]
+        )
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        return model
+
+    rows = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    x, y = rows, rows.sum(axis=1, keepdims=True) * 0.5
+    plain, plain_losses = build(), _BatchLosses()
+    plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, callbacks=[plain_losses], verbose=0)
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=2, num_ps=1)
+    )
+    with strategy.scope():
+        model = build()
+    losses = _BatchLosses()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, callbacks=[losses], verbose=0)
+    assert len(losses.losses) == 16
+    assert len(set(np.round(plain_losses.losses, 5))) == 16  # (every batch's loss differs)
+    np.testing.assert_allclose(losses.losses, plain_losses.losses, rtol=1e-5)
+    np.testing.assert_allclose(model.get_weights()[0], plain.get_weights()[0], rtol=1e-5)
+
+
+class _DropoutAtInference(keras.layers.Layer):
+    def __init__(self):
+        super().__init__()
+        self.seed_generator = keras.random.SeedGenerator(3)
+
+    def call(self, x):
+        return keras.random.dropout(x, 0.5, seed=self.seed_generator)
+
+
+def test_predict_and_evaluate_move_layer_state_on_as_keras_does():
+    # A seed generator's state is a non-trainable variable that Keras's predict and
+    # evaluate advance: each call draws a new dropout mask.
+    def build():
+        model = keras.Sequential([keras.Input((20,)), _DropoutAtInference()])
+        model.compile("sgd", "mse")
+        return model
+
+    x = np.ones((32, 20), "float32")
+    plain = build()
+    expected = [plain.predict(x, verbose=0), plain.predict(x, verbose=0)]
+    plain.evaluate(x, x, verbose=0)
+    strategy = kd.ParameterServerStrategy(
+        kd.testing.create_in_process_cluster(num_workers=1, num_ps=1)
+    )
+    with strategy.scope():
+        model = build()
+    actual = [model.predict(x, verbose=0), model.predict(x, verbose=0)]
+    assert np.abs(actual[0] - actual[1]).mean() > 0.1
+    np.testing.assert_array_equal(actual, expected)
+    model.evaluate(x, x, verbose=0)
+    seed_state = model.layers[0].seed_generator.state
+    np.testing.assert_array_equal(
+        np.asarray(seed_state.value), np.asarray(plain.layers[0].seed_generator.state.value)
+    )
