@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help=(
             "worker tasks (default: 2); MIN:MAX starts MAX and, with --max-restarts, "
-            "goes on with fewer (not under MIN) when a worker fails twice in a row"
+            "goes on with fewer (not under MIN) when a worker is killed by a signal or "
+            "fails twice in a row"
         ),
     )
     launch.add_argument("--chief", action="store_true", help="add a chief task")

@@ -5,10 +5,13 @@ every task is stopped and the whole cluster starts again on fresh ports, so a jo
 with ``BackupAndRestore`` resumes from its last backup.
 
 Elastic jobs (``min_workers`` below ``num_workers``) also shrink: each worker stands for
-a machine, and a worker that fails in two attempts in a row counts as gone for good. The
-next attempt runs without it, on fewer workers (never fewer than ``min_workers``); the
-workers are numbered again from 0, and ``fit``'s global batch stays what the script says,
-so each replica's share grows.
+a machine, and the worker an attempt's failure is blamed on (the first to fail, not the
+peers that failed because of it: see ``_blame``) counts as gone for good when a signal
+killed it (a lost machine's process dies that way: SIGKILL, or an out-of-memory kill) or
+when it fails in two attempts in a row. The next attempt already runs without it, on
+fewer workers (never fewer than ``min_workers``): a restart on the same machines would be
+spent only to see it fail again. The workers are numbered again from 0, and ``fit``'s
+global batch stays what the script says, so each replica's share grows.
 """
 
 import sys
@@ -61,9 +64,10 @@ def launch(
             and ``SubprocessTimeoutError`` is raised. ``None`` for no limit.
         max_restarts: How many times the whole cluster may start again, on new ports, after
             a task failed.
-        min_workers: Makes the job elastic: a worker that fails in two attempts in a row
-            is left out of the next ones, down to ``min_workers`` workers (each restart
-            counts against ``max_restarts``). By default ``num_workers``: never shrink.
+        min_workers: Makes the job elastic: a worker killed by a signal, or that fails in
+            two attempts in a row, is left out of the next ones, down to ``min_workers``
+            workers (each restart counts against ``max_restarts``). By default
+            ``num_workers``: never shrink.
         stream_output: Print every task's output as it comes, prefixed ``[worker 1] ``.
         failure_grace: Seconds the other tasks get after a task failed (to finish, or to
             report their own error) before they are stopped.
@@ -146,9 +150,9 @@ def run_elastic(
     At most ``max_restarts + 1`` attempts, each on a new cluster with fresh ports;
     a timeout is not retried. ``kept_workers`` are the indices, among the first
     attempt's ``num_workers``, of the workers this attempt has: with
-    ``min_workers`` below ``num_workers``, a worker that failed in the last two
-    attempts is left out (see the module's docstring). ``verbose`` prints a line
-    before each restart.
+    ``min_workers`` below ``num_workers``, the failed worker is left out once it is
+    known to be gone: killed by a signal, or failed in the last two attempts (see the
+    module's docstring). ``verbose`` prints a line before each restart.
     """
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(
@@ -184,13 +188,14 @@ def run_elastic(
                 attempt += 1
                 failed = kept[error.task_id] if error.task_type == "worker" else None
                 summary = str(error).splitlines()[0].rstrip(".")
-                if failed is not None and failed == last_failed and len(kept) > min_workers:
+                gone = _why_gone(error, failed, last_failed)
+                if gone is not None and len(kept) > min_workers:
                     kept.remove(failed)
                     last_failed = None
                     message = (
-                        f"{summary}, in two attempts in a row: continuing without that "
-                        f"machine, on {len(kept)} workers (min {min_workers}; restart "
-                        f"{attempt} of {max_restarts})."
+                        f"{summary}{gone}: continuing without that machine, on "
+                        f"{len(kept)} workers (min {min_workers}; restart {attempt} of "
+                        f"{max_restarts})."
                     )
                 else:
                     last_failed = failed
@@ -200,6 +205,20 @@ def run_elastic(
                     )
                 if verbose:
                     _announce(message)
+
+
+def _why_gone(error, failed, last_failed) -> str | None:
+    """Why the failed worker's machine counts as gone (a clause), or ``None`` if it may not be.
+
+    Killed by a signal: the process did not fail, it died (its machine lost, the kernel's
+    out-of-memory kill); restarting it on the same machines would only fail again.
+    """
+    if failed is None:
+        return None
+    code = error.exit_codes.get((error.task_type, error.task_id))
+    if code is not None and code < 0:
+        return ""  # the summary says "killed by SIGKILL"
+    return ", in two attempts in a row" if failed == last_failed else None
 
 
 def _announce(message: str) -> None:

@@ -10,6 +10,10 @@ Tasks die with the launcher however it ends, SIGKILL included: every task starts
 parent-death signal) and elsewhere watches the launcher's pid. Linux sends that signal when
 the *thread* that started the child ends, so children are started from the main thread, or
 from one spawner thread that lives as long as the process.
+
+Each process also has a thread that waits for it and notes when it exited: when one task
+dies and its peers fail because of it, the launcher blames the one that exited first, and
+a poll loop would see several exits at once (see ``_blame``).
 """
 
 import concurrent.futures
@@ -45,6 +49,7 @@ class TaskProcess:
         self._stream_output = stream_output
         self.popen: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
+        self._exit_clock: _ExitClock | None = None
 
     @property
     def name(self) -> str:
@@ -73,6 +78,9 @@ class TaskProcess:
         except BaseException:
             log.close()
             raise
+        self._exit_clock = _ExitClock(
+            self.popen, f"keras-dist-wait-{self.task_type}-{self.task_id}"
+        )
         self._reader = threading.Thread(
             target=self._pump,
             args=(self.popen.stdout, log),
@@ -84,6 +92,12 @@ class TaskProcess:
     def poll(self) -> int | None:
         """The exit code (negative: killed by that signal), or None while running."""
         return None if self.popen is None else self.popen.poll()
+
+    def exited_at(self) -> float | None:
+        """When the process exited (``time.monotonic()``); ``None`` while it runs."""
+        if self._exit_clock is None or self.poll() is None:
+            return None
+        return self._exit_clock.read()
 
     def running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -111,6 +125,15 @@ class TaskProcess:
         except FileNotFoundError:
             return ""
 
+    def log_tail(self, size: int = 8192) -> str:
+        """The last ``size`` bytes of the log (where a failed task says what it lost)."""
+        try:
+            with open(self.log_path, "rb") as file:
+                file.seek(max(file.seek(0, os.SEEK_END) - size, 0))
+                return file.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
     def _pump(self, pipe, log) -> None:
         with pipe, log:
             for line in iter(pipe.readline, b""):
@@ -130,6 +153,29 @@ class TaskProcess:
                 sys.stdout.flush()
             except (OSError, ValueError):
                 pass  # The stream was closed (the interpreter is shutting down).
+
+
+class _ExitClock:
+    """Notes when one process exits, from a thread that waits for nothing else.
+
+    The thread holds ``Popen``'s wait lock while it waits, so ``poll()`` elsewhere reports
+    the exit only once the thread has reaped the process; ``read`` then waits the instant
+    it takes the thread to note the time. A daemon: it never keeps the interpreter alive.
+    """
+
+    def __init__(self, popen: subprocess.Popen, name: str):
+        self._at = None
+        self._thread = threading.Thread(target=self._wait, args=(popen,), name=name, daemon=True)
+        self._thread.start()
+
+    def _wait(self, popen: subprocess.Popen) -> None:
+        popen.wait()
+        self._at = time.monotonic()
+
+    def read(self) -> float:
+        """The exit's time; call it once the process has exited."""
+        self._thread.join()
+        return self._at
 
 
 def with_bootstrap(command: list[str]) -> list[str]:

@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 
+from keras_dist._launch import _blame
 from keras_dist._launch import _process
 from keras_dist._launch._cluster import task_keys
 from keras_dist._launch._cluster import tf_config
@@ -249,8 +250,8 @@ class MultiProcessRunner:
             WorkerError: a task's function raised. The error is an instance of the task's
                 exception type too, when that type can be rebuilt here.
 
-        The first task that failed decides the error; every message ends with the end of
-        every task's log.
+        The first task that failed decides the error (see ``_blame``); every message ends
+        with the end of every task's log.
         """
         _check_seconds(timeout=timeout, allow_none=True)
         if self._started_at is None:
@@ -369,7 +370,7 @@ class MultiProcessRunner:
             if self._may_restart(slot):
                 self._start(key)
                 continue
-            slot.failed_at = now
+            slot.failed_at = slot.process.exited_at()  # its own time, not this round's
             if self._survives(key):
                 slot.survived = True
                 continue
@@ -403,12 +404,12 @@ class MultiProcessRunner:
         with self._lock:
             report = self._report()
             failed = [
-                (slot.failed_at, key)
+                _blame.Failure(key, slot.failed_at, slot.exit_code, slot.process.log_tail())
                 for key, slot in self._slots.items()
                 if slot.failed_at is not None and not slot.survived
             ]
             if failed:
-                raise self._failure_error(min(failed)[1], report)
+                raise self._failure_error(_blame.first_failure(failed), report)
             if self._timeout_reason is not None:
                 raise SubprocessTimeoutError(
                     f"The tasks did not finish within the {self._timeout_reason}; every task "
@@ -442,9 +443,7 @@ class MultiProcessRunner:
     def _report(self) -> dict:
         slots = self._slots.items()
         return {
-            "results": [
-                slot.outcome.value if slot.returned else None for slot in self._slots.values()
-            ],
+            "results": [slot.outcome.value if slot.returned else None for _, slot in slots],
             "exit_codes": {key: slot.exit_code for key, slot in slots},
             "logs": {key: slot.process.log_text() for key, slot in slots},
         }

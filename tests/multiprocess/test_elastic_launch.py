@@ -9,6 +9,7 @@ global batches (MultiWorkerMirroredStrategy's numbers do not depend on the worke
 
 import json
 import os
+import textwrap
 
 import numpy as np
 import pytest
@@ -164,3 +165,65 @@ def test_the_command_shrinks_within_its_worker_range(tmp_path, capsys):
     assert code == 0, out
     assert "continuing without that machine, on 2 workers (min 2; restart 2 of 2)" in out
     assert out.count("[worker 1] worker 1 of 3") == 2 and "[worker 1] worker 1 of 2" in out
+
+
+# Machine m (its worker sees m + 1 devices) says which worker it is. On 4 machines, machine 1
+# is lost mid-run: SIGKILLed once the others hold a connection to it; they then fail, as a
+# collective's peers do, with keras_dist's error naming it. Started again, it dies at once.
+# On fewer machines the job succeeds.
+_LOSE_MACHINE_1 = textwrap.dedent(
+    """
+    import json, os, signal, socket, sys, time
+
+    class UnavailableError(RuntimeError):
+        "keras_dist.errors.UnavailableError's name (importing keras_dist takes seconds)."
+
+    config = json.loads(os.environ["TF_CONFIG"])
+    index, workers = config["task"]["index"], config["cluster"]["worker"]
+    machine = int(os.environ["XLA_FLAGS"].rpartition("=")[2]) - 1
+    print(f"machine {machine} is worker {index} of {len(workers)}", flush=True)
+    gone = os.path.join(os.path.dirname(os.path.abspath(__file__)), "machine-1-gone")
+    if machine == 1 and os.path.exists(gone):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if len(workers) < 4:
+        sys.exit(0)
+    host, port = workers[1].rsplit(":", 1)
+    if machine == 1:
+        server = socket.create_server((host, int(port)))
+        peers = [server.accept()[0] for _ in range(3)]
+        open(gone, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            peer = socket.create_connection((host, int(port)))
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    peer.recv(1)  # b"" once machine 1 is gone
+    raise UnavailableError("Lost contact with worker 1 during a collective: the task died.")
+    """
+)
+
+
+def test_a_machine_killed_mid_run_is_left_out_at_the_next_attempt(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(_LOSE_MACHINE_1)
+    code = cli_main(
+        ["launch", "--workers", "2:4", "--max-restarts", "2", "--grace", "5"]
+        + ["--devices-per-worker", "1,2,3,4", str(script)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # Machine 1 (worker 1) is blamed, not worker 0 that failed after it, and left out at
+    # once: the second attempt runs on the other three machines, and succeeds.
+    assert (
+        "[keras-dist] worker 1 exited unexpectedly (killed by SIGKILL): continuing without "
+        "that machine, on 3 workers (min 2; restart 1 of 2)." in out
+    )
+    attempts = [line.partition("] ")[2] for line in out.splitlines() if " is worker " in line]
+    first = [f"machine {m} is worker {m} of 4" for m in range(4)]
+    second = [f"machine {m} is worker {i} of 3" for i, m in enumerate([0, 2, 3])]
+    assert sorted(attempts) == sorted(first + second), out

@@ -211,6 +211,50 @@ def script(tmp_path):
     return str(path)
 
 
+# Four workers; the others hold a connection to worker 2 and fail when it breaks, as the
+# peers of a collective do: with keras_dist's error naming the lost task, or (--silent) a
+# bare exit 1. Worker 2 kills itself with --die; without, the test kills it.
+_LOSE_WORKER_2 = textwrap.dedent(
+    """
+    import json, os, signal, socket, sys, time
+
+    class UnavailableError(RuntimeError):
+        "keras_dist.errors.UnavailableError's name (importing keras_dist takes seconds)."
+
+    config = json.loads(os.environ["TF_CONFIG"])
+    host, port = config["cluster"]["worker"][2].rsplit(":", 1)
+    if config["task"]["index"] == 2:
+        server = socket.create_server((host, int(port)))
+        peers = [server.accept()[0] for _ in range(3)]
+        print(f"peers connected pid={os.getpid()}", flush=True)
+        if "--die" in sys.argv:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            peer = socket.create_connection((host, int(port)))
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    print(f"connected pid={os.getpid()}", flush=True)
+    peer.recv(1)  # b"" once worker 2 is gone
+    if "--silent" in sys.argv:
+        sys.exit(1)
+    raise UnavailableError("Lost contact with worker 2 during a collective: the task died.")
+    """
+)
+
+
+@pytest.fixture
+def lose_worker_2(tmp_path):
+    path = tmp_path / "lose_worker_2.py"
+    path.write_text(_LOSE_WORKER_2)
+    return str(path)
+
+
 # --- Cluster specs ---------------------------------------------------------------------------
 
 
@@ -603,6 +647,57 @@ def test_cli_exits_with_the_code_of_the_failed_task(script, capsys):
     captured = capsys.readouterr()
     assert "[chief 0] hello from chief 0 args=['--fail']" in captured.out.splitlines()
     assert "keras-dist: worker 1 failed (exit code 3)." in captured.err
+
+
+@pytest.mark.parametrize("victims", ["--silent", "--reporting"])
+def test_cli_blames_the_worker_that_died_not_the_peers_that_failed_after_it(
+    lose_worker_2, capsys, victims
+):
+    # Worker 2 is SIGKILLed; workers 0, 1 and 3 exit 1 a few milliseconds later, usually
+    # before the launcher's next look at its tasks.
+    code = cli_main(["launch", "--workers", "4", "--grace", "5", lose_worker_2, "--die", victims])
+    captured = capsys.readouterr()
+    logs = captured.out + captured.err
+    assert code == 128 + signal.SIGKILL, logs
+    assert "keras-dist: worker 2 failed (killed by SIGKILL)." in captured.err, logs
+    assert logs.count("connected pid=") == 4, logs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victims", ["--silent", "--reporting"])
+def test_cli_blames_the_worker_that_died_when_it_finds_every_exit_at_once(lose_worker_2, victims):
+    # The launcher is stopped (a loaded machine) while worker 2 is killed and the others
+    # fail: when it runs again every exit is there at once, and it still names worker 2.
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "keras_dist._launch._cli", "launch", "--workers", "4"]
+        + ["--grace", "5", lose_worker_2, victims],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+    try:
+        pids = {}
+        while len(pids) < 4:
+            lines.append(cli.stdout.readline())
+            assert lines[-1], "".join(lines) + cli.stderr.read()
+            if "connected pid=" in lines[-1]:
+                pids[lines[-1].split("]")[0]] = int(lines[-1].rpartition("=")[2])
+        cli.send_signal(signal.SIGSTOP)
+        try:
+            os.kill(pids["[worker 2"], signal.SIGKILL)
+            # Every worker exited (its zombie waits for the stopped launcher).
+            _wait_for(lambda: not any(_alive(pid) for pid in pids.values()), timeout=20)
+        finally:
+            cli.send_signal(signal.SIGCONT)
+        out, err = cli.communicate(timeout=60)
+        logs = "".join(lines) + out + err
+        assert cli.returncode == 128 + signal.SIGKILL, logs
+        assert "keras-dist: worker 2 failed (killed by SIGKILL)." in err, logs
+    finally:
+        cli.kill()
+        cli.wait()
 
 
 def test_cli_gives_each_task_its_own_device_count(script, capsys):
