@@ -116,8 +116,19 @@ def ps_server(out):
     kd.Server(resolver, job_name=resolver.task_type, task_index=resolver.task_id).join()
 
 
-def ps_chief(out, closures, started):
-    """Schedules ``closures`` increments; once ``started`` ran, says so and joins."""
+PACE = 0.1  # seconds between two closures scheduled while the test cuts a link
+PACED_AT_MOST = 1200  # closures: 120 s of pacing, past every bound of the tests
+
+
+def ps_chief(out, started, after):
+    """Schedules increments of a counter on the ps task: a link can be cut mid-run.
+
+    ``started`` closures first (then says so, ``started.json``), then one every
+    ``PACE`` seconds until the test says the link is back (``restored.mark``), then
+    ``after`` more, and joins. Writes the error ``schedule``/``join`` raised (if any),
+    when it ended and how many closures were scheduled (``chief0.json``), then the
+    counter (``counter.json``).
+    """
     import jax.numpy as jnp
     import keras
 
@@ -135,17 +146,23 @@ def ps_chief(out, closures, started):
         counter.assign_add(1.0)
         return jnp.sum(x)
 
-    for _ in range(closures):
+    for _ in range(started):
         coordinator.schedule(increment, args=(counter,))
-    while float(counter.numpy()) < started:
-        time.sleep(0.02)
+    coordinator.join()
     _write_json(out, "started", {"time": time.time(), "counter": float(counter.numpy())})
-    result = {"error": None}
+    result, scheduled = {"error": None}, started
     try:
+        while not (out / "restored.mark").exists() and scheduled < started + PACED_AT_MOST:
+            coordinator.schedule(increment, args=(counter,))
+            scheduled += 1
+            time.sleep(PACE)
+        for _ in range(after):
+            coordinator.schedule(increment, args=(counter,))
+            scheduled += 1
         coordinator.join()
     except BaseException as error:
         result = {"error": type(error).__name__, "message": str(error)}
-    result["join_ended"] = time.time()
+    result.update(join_ended=time.time(), scheduled=scheduled)
     _write_json(out, "chief0", result)
     try:  # after an error, what the ps holds once the link is back
         counted = {"counter": float(counter.numpy())}

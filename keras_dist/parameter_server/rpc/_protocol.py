@@ -16,8 +16,9 @@ op                      served  what it does
 ``read``                ps      the values of ``keys``, one consistent snapshot
 ``update``              ps      ``writes`` (assign/add/sub), optimizer ``updates``,
                                 then the values of ``read``, all under one lock;
-                                once per ``run_id`` (a call run again is not
-                                applied again)
+                                once per ``run_id`` (a call run again, or a
+                                request sent again after a lost connection, is
+                                not applied again)
 ``delete``              ps      forgets ``keys`` (a variable was freed)
 ``load_update``         ps      keeps an optimizer update's program (the blob)
 ``load``                worker  keeps a scheduled function's program (the blob)
@@ -65,7 +66,8 @@ UPDATE = Op(
     "update",
     "ps",
     (("writes", list),),
-    # ``run_id``: the scheduled call whose step this is; a ps applies each once.
+    # ``run_id``: the scheduled call whose step this is (or the request's own id);
+    # a ps applies each once.
     (("read", list), ("updates", list), ("run_id", _ID)),
     arrays="one per write, then each optimizer update's arrays",
 )

@@ -6,7 +6,12 @@ metadata as the call arrives, before the request's body is read: a call without
 it is refused (``UNAUTHENTICATED``) and logged, and the server never receives,
 buffers or decodes what it sends (a stranger's 512 MiB cost it nothing). ``RpcClient``
 calls one task with a deadline on every call, so no call can hang; a lost
-task becomes ``kd.errors.UnavailableError`` naming it.
+task becomes ``kd.errors.UnavailableError`` naming it. A client made with
+``retry_seconds`` (the ps tasks' clients: ``RECONNECT_SECONDS``) sends a call again
+when its connection was lost (a link down for a few seconds), until the task
+answers or it has been unreachable that long; a refused connection (nothing
+listens: the task's process is gone) is not waited out. A request sent again may
+have been applied already: the ps tasks answer a repeated ``update`` from its id.
 
 grpcio's generic handlers pass the request through as bytes (no protobuf), so
 arrays travel as raw buffers.
@@ -15,6 +20,7 @@ arrays travel as raw buffers.
 import logging
 import os
 import threading
+import time
 
 import grpc
 
@@ -243,12 +249,29 @@ class _TokenCheck(grpc.ServerInterceptor):
 
 _RECONNECT_GRACE_SECONDS = 1.5  # the longest reconnect backoff (1 s), jitter and margin
 
+# How long a ps task's client keeps reconnecting to a task it lost the connection
+# to (a link down, a stalled network: gRPC drops a connection silent for ~5 s)
+# before the call raises ``UnavailableError``. A ps task unreachable for good is
+# named this long after its connection was dropped.
+RECONNECT_SECONDS = 30.0
+_RETRY_BACKOFF = (0.1, 1.0)  # seconds between tries: the first, the longest
+
 
 def _never_connected(exc: grpc.RpcError) -> bool:
     """Whether a call failed before its request left: no connection to the task."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (
         exc.details() or ""
     )
+
+
+def _refused(exc: grpc.RpcError) -> bool:
+    """Whether the task's host refused the connection: no process serves the address."""
+    return _never_connected(exc) and "refused" in (exc.details() or "").lower()
+
+
+def _connection_lost(exc: grpc.RpcError) -> bool:
+    """Whether a call failed for want of a connection that may come back (not refused)."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and not _refused(exc)
 
 
 class RpcClient:
@@ -262,9 +285,18 @@ class RpcClient:
     ('/job:ps/replica:0/task:0',)
     """
 
-    def __init__(self, address: str, *, name: str, credentials=None, token: "str | None" = None):
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str,
+        credentials=None,
+        token: "str | None" = None,
+        retry_seconds: float = 0.0,
+    ):
         self.address = address
         self.name = name
+        self.retry_seconds = retry_seconds  # see ``RECONNECT_SECONDS``; 0: no retries
         credentials = credentials if credentials is not None else tls_channel_credentials()
         if credentials is not None:
             channel = grpc.secure_channel(address, credentials, options=_OPTIONS)
@@ -275,10 +307,14 @@ class RpcClient:
         self._token = token
         self._lock = threading.Lock()
 
-    def call(self, header: dict, arrays=(), blob: bytes = b"", *, timeout=DEFAULT_TIMEOUT):
+    def call(
+        self, header: dict, arrays=(), blob: bytes = b"", *, timeout=DEFAULT_TIMEOUT, retry=True
+    ):
         """Sends one message and returns the reply's ``(header, arrays, blob)``.
 
-        Raises ``UnavailableError`` when the task cannot be reached,
+        Raises ``UnavailableError`` when the task cannot be reached (with
+        ``retry_seconds`` and ``retry``: for that long, the call sent again as
+        it reconnects),
         ``DeadlineExceededError`` past ``timeout`` seconds, and the handler's
         own error otherwise.
         """
@@ -289,21 +325,85 @@ class RpcClient:
         try:
             reply = self._method(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
-            if not _never_connected(exc):
+            if retry and self.retry_seconds > 0 and _connection_lost(exc):
+                reply = self._again(request, metadata, header, exc, timeout)
+            elif not _never_connected(exc):
                 raise self._translate(exc, header) from None
-            # The channel may still be waiting out its reconnect backoff (up to 1 s)
-            # from while the task was down: a restarted task is reached if it serves
-            # within the grace. The request was never sent, so sending it is safe.
-            grace = _RECONNECT_GRACE_SECONDS
-            if timeout is not None:
-                grace = min(timeout, grace)
-            try:
-                reply = self._method(request, timeout=grace, metadata=metadata, wait_for_ready=True)
-            except grpc.RpcError:
-                raise self._translate(exc, header) from None
+            else:
+                reply = self._after_refusal(request, metadata, header, exc, timeout)
         reply_header, reply_arrays, reply_blob = _wire.decode(reply)
         raise_if_error(reply_header)
         return reply_header, reply_arrays, reply_blob
+
+    def _after_refusal(self, request, metadata, header, exc, timeout) -> bytes:
+        """The reply of a call whose request never left, sent again once within the grace."""
+        # The channel may still be waiting out its reconnect backoff (up to 1 s)
+        # from while the task was down: a restarted task is reached if it serves
+        # within the grace. The request was never sent, so sending it is safe.
+        grace = _RECONNECT_GRACE_SECONDS
+        if timeout is not None:
+            grace = min(timeout, grace)
+        try:
+            return self._method(request, timeout=grace, metadata=metadata, wait_for_ready=True)
+        except grpc.RpcError:
+            raise self._translate(exc, header) from None
+
+    def _again(self, request, metadata, header, exc, timeout) -> bytes:
+        """The reply of a call whose connection was lost, sent until the task answers.
+
+        Tries until ``retry_seconds`` have passed, each try within the time left
+        (and ``timeout``), with a growing pause between them; then raises
+        ``UnavailableError`` naming the task. A refused connection (the task's
+        process is gone) or another failure ends it at once. The task may have
+        applied the request already: it must be one the task answers once (a
+        read, an ``update`` with an id).
+        """
+        start, first = time.monotonic(), exc
+        deadline = start + self.retry_seconds
+        pause = _RETRY_BACKOFF[0]
+        logger.warning(
+            "Lost the connection to %s at %s during a `%s` call; reconnecting for up to %.0f s. "
+            "Received: %s",
+            self.name,
+            self.address,
+            header.get("op"),
+            self.retry_seconds,
+            exc.details(),
+        )
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._unreachable(first, exc, header, time.monotonic() - start) from None
+            try_timeout = left if timeout is None else min(timeout, left)
+            try:
+                reply = self._method(request, timeout=try_timeout, metadata=metadata)
+            except grpc.RpcError as again:
+                window_over = time.monotonic() >= deadline
+                if again.code() == grpc.StatusCode.DEADLINE_EXCEEDED and window_over:
+                    raise self._unreachable(first, exc, header, time.monotonic() - start) from None
+                if not _connection_lost(again):
+                    raise self._translate(again, header) from None
+                exc = again
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+                pause = min(2 * pause, _RETRY_BACKOFF[1])
+                continue
+            logger.warning(
+                "Reached %s again after %.1f s; the `%s` call went through.",
+                self.name,
+                time.monotonic() - start,
+                header.get("op"),
+            )
+            return reply
+
+    def _unreachable(self, first, exc, header, waited: float) -> errors.UnavailableError:
+        what = f"`{header.get('op')}` call to {self.name} at {self.address}"
+        return errors.UnavailableError(
+            f"Task {self.name} is unavailable: the {what} lost its connection and the task "
+            f"stayed unreachable for {waited:.0f} s of reconnecting (the limit: "
+            f"{self.retry_seconds:.0f} s). The task died, its host or link is down, or its "
+            f"address is wrong. Received: {first.details()}; the last try: {exc.details()}",
+            (self.name,),
+        )
 
     def _translate(self, exc, header) -> errors.OpError:
         code = exc.code()

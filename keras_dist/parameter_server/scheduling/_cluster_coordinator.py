@@ -192,7 +192,9 @@ def _takes_argument(fn) -> bool:
 def _watch_ps(servers, queue, alive) -> None:
     """Pings every ps task; a lost one becomes the error ``join``/``schedule`` raise.
 
-    A task that cannot be reached is lost at once. One that answers no ping for
+    A task that refuses the connection (its process is gone), or stays
+    unreachable while the ping reconnects (``RECONNECT_SECONDS``: a link down
+    for a few seconds is not a lost task), is lost. One that answers no ping for
     ``PS_STUCK_AFTER`` seconds is lost too; a slower answer is a busy task (a
     loaded machine, a long collection), not a lost one.
     """

@@ -28,8 +28,9 @@ from keras_dist.parameter_server.rpc import _protocol as protocol
 from keras_dist.parameter_server.rpc import _wire
 from keras_dist.parameter_server.tasks._loaded_update import LoadedUpdate
 
-# A call is run again within seconds of its worker's loss, while the other
-# workers' calls go on: this many of the latest are plenty, and bound memory.
+# A call is run again within seconds of its worker's loss, and a request is sent
+# again within RECONNECT_SECONDS (30 s) of a lost connection, while the other
+# requests go on: this many of the latest ids are plenty, and bound memory.
 _REMEMBERED_RUNS = 1 << 16
 
 

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from typing import NamedTuple
 
 import numpy as np
@@ -22,6 +23,7 @@ import numpy as np
 from keras_dist import errors
 from keras_dist.parameter_server.rpc import _protocol as protocol
 from keras_dist.parameter_server.rpc._transport import DEFAULT_TIMEOUT
+from keras_dist.parameter_server.rpc._transport import RECONNECT_SECONDS
 from keras_dist.parameter_server.rpc._transport import RpcClient
 from keras_dist.parameter_server.rpc._wire import dtype_from_name
 
@@ -76,12 +78,32 @@ class Location(NamedTuple):
 
 
 class ParameterServers:
-    """Clients of every ps task of a cluster spec (``kd.cluster_resolver.ClusterSpec``)."""
+    """Clients of every ps task of a cluster spec (``kd.cluster_resolver.ClusterSpec``).
 
-    def __init__(self, cluster_spec, credentials=None, timeout: float = DEFAULT_TIMEOUT):
+    A call whose connection to a ps task was lost is sent again until the task
+    answers, for up to ``retry_seconds`` (``RECONNECT_SECONDS``: a link down for
+    a few seconds costs nothing); then it raises ``UnavailableError`` naming the
+    task. Every request may so reach a task twice, and is applied once: reads,
+    ``create``, ``load_update`` and ``delete`` are the same done twice, and each
+    ``update`` carries an id (its call's ``run_id``, or one of its own) that the
+    task answers a second time from, without applying it again.
+    """
+
+    def __init__(
+        self,
+        cluster_spec,
+        credentials=None,
+        timeout: float = DEFAULT_TIMEOUT,
+        retry_seconds: float = RECONNECT_SECONDS,
+    ):
         addresses = cluster_spec.job_tasks("ps") if "ps" in cluster_spec.jobs else []
         self.clients = [
-            RpcClient(address, name=f"/job:ps/replica:0/task:{i}", credentials=credentials)
+            RpcClient(
+                address,
+                name=f"/job:ps/replica:0/task:{i}",
+                credentials=credentials,
+                retry_seconds=retry_seconds,
+            )
             for i, address in enumerate(addresses)
         ]
         self.timeout = timeout
@@ -115,7 +137,9 @@ class ParameterServers:
         for task in range(self.num_ps):
             while True:
                 try:
-                    self.ping(task, timeout=max(1.0, min(5.0, deadline - time.monotonic())))
+                    # Not retried within: this loop tries again, up to its own deadline.
+                    left = deadline - time.monotonic()
+                    self.ping(task, timeout=max(1.0, min(5.0, left)), retry=False)
                     break
                 except errors.UnavailableError:
                     now = time.monotonic()
@@ -133,9 +157,12 @@ class ParameterServers:
                         next_note = now + _WAIT_NOTE_EVERY
                     time.sleep(0.2)
 
-    def ping(self, task: int, timeout: float = 5.0) -> None:
-        """Raises ``UnavailableError`` when ps task ``task`` does not answer."""
-        self.clients[task].call(protocol.request(protocol.PING), timeout=timeout)
+    def ping(self, task: int, timeout: float = 5.0, retry: bool = True) -> None:
+        """Raises ``UnavailableError`` when ps task ``task`` does not answer.
+
+        With ``retry``, a lost connection is first waited out (``retry_seconds``).
+        """
+        self.clients[task].call(protocol.request(protocol.PING), timeout=timeout, retry=retry)
 
     def create(self, location: Location, value, if_absent: bool = False):
         """Stores ``value``'s shards; with ``if_absent``, keeps values already there.
@@ -170,11 +197,13 @@ class ParameterServers:
         id, arrays)``, after the writes. One atomic request per ps task; the
         values of ``read`` (locations) come back in the same requests. With
         ``run_id`` each ps task applies the request only if it has not applied
-        one with that id before. A ``versions`` dict gets each ps task's version
-        after the request (the version the values read are from).
+        one with that id before; without, the request gets an id of its own (a
+        request sent again after a lost connection is applied once). A
+        ``versions`` dict gets each ps task's version after the request (the
+        version the values read are from).
         """
         requests: dict = {}
-        once = {} if run_id is None else {"run_id": run_id}
+        once = {"run_id": run_id if run_id is not None else f"update-{uuid.uuid4().hex}"}
 
         def request(task):
             return requests.setdefault(
