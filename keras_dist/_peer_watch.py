@@ -37,6 +37,8 @@ from keras_dist.errors import UnavailableError
 _KEY_PREFIX = "keras_dist/waiting_at_failure/"
 # How long survivors wait for each other to report in after a failure.
 _DIAGNOSIS_SECONDS = 3.0
+# How often a waiting caller looks for a survivor's news of a lost task.
+_NEWS_POLL_SECONDS = 0.05
 # How long past its deadline an execution nobody waits for may run before the
 # watchdog ends the process (a waiting caller raises first: it diagnoses in 3 s).
 _WATCHDOG_GRACE_SECONDS = 15.0
@@ -56,10 +58,11 @@ class PeerWatch:
     2
     """
 
-    def __init__(self, task_names, process_id, timeout_seconds):
+    def __init__(self, task_names, process_id, timeout_seconds, presence=None):
         self._task_names = list(task_names)
         self._process_id = process_id
         self._timeout = timeout_seconds
+        self._presence = presence  # the peers asked directly (``_presence``), when known
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._started = False
         self._running = None  # the Pending whose execution the watch's thread waits for
@@ -112,8 +115,16 @@ class PeerWatch:
         return pending.out, pending
 
     def _wait_for(self, pending, event):
-        if not event.wait(max(0.0, pending.deadline - time.monotonic())):
-            self._fail(None, timed_out=True)
+        news = self._presence.news if self._presence is not None else None
+        while not event.is_set():
+            left = pending.deadline - time.monotonic()
+            if left <= 0:
+                self._fail(None, timed_out=True)
+            # A survivor's news of a lost task ends the wait at once: this
+            # execution may wait on a survivor that left it, and never end.
+            if news is not None and news.is_set():
+                self._fail(None, timed_out=self._presence.news_timed_out())
+            event.wait(min(left, _NEWS_POLL_SECONDS) if news is not None else left)
         if pending.error is not None:
             with self.translating_failures():
                 raise pending.error
@@ -150,13 +161,15 @@ class PeerWatch:
                 leave_now(1)
 
     def _fail(self, cause, timed_out):
+        if self._failure is not None:  # (the watchdog or another wait named it already)
+            raise self._failure
         error = self._named_error(cause, timed_out)
         self._failure = error
         _exit_after_failure()
         raise error from cause
 
     def _named_error(self, cause, timed_out):
-        lost = self._missing_peers()
+        lost = self._missing_peers(timed_out)
         names = ", ".join(lost) if lost else "an unknown task"
         if timed_out:
             return DeadlineExceededError(
@@ -172,7 +185,35 @@ class PeerWatch:
             lost,
         )
 
-    def _missing_peers(self) -> list:
+    def _missing_peers(self, timed_out: bool) -> list:
+        """The lost tasks' names; the survivors found alive are told which."""
+        if self._presence is None:
+            return [self._task_names[i] for i in self._missing_in_service()]
+        presence = self._presence
+        presence.failed = True
+        others = [i for i in range(len(self._task_names)) if i != self._process_id]
+        answers = presence.survey(others)
+        if presence.news.is_set():
+            # A survivor found them first. One that sent news and left since is
+            # not lost: the tasks it named are, and any other that is silent.
+            silent = {i for i, failed in answers.items() if failed is None}
+            lost = (silent - set(presence.news_senders())) | set(presence.lost_news())
+        elif timed_out:
+            # Healthy peers reach the same deadline and find the collective broken
+            # too; a task that stays silent, or alive but never gets there, is stuck.
+            deadline = time.monotonic() + _DIAGNOSIS_SECONDS
+            while not all(answers.values()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+                answers.update(presence.survey([i for i, f in answers.items() if not f]))
+            lost = {i for i, failed in answers.items() if not failed}
+        else:
+            lost = {i for i, failed in answers.items() if failed is None}
+        lost.discard(self._process_id)
+        alive = [i for i, failed in answers.items() if failed is not None and i not in lost]
+        presence.tell_lost(alive, lost, timed_out)
+        return [self._task_names[i] for i in sorted(lost)]
+
+    def _missing_in_service(self) -> list:
         """The tasks that did not report in, through the coordination service."""
         client = distributed.global_state.client
         others = [i for i in range(len(self._task_names)) if i != self._process_id]
@@ -191,7 +232,7 @@ class PeerWatch:
             # The coordination service runs in process 0: if it cannot be
             # reached, process 0 is the one that is gone.
             missing = [0] if self._process_id != 0 else others
-        return [self._task_names[i] for i in missing]
+        return missing
 
 
 class Pending:

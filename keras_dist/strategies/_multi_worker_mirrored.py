@@ -262,7 +262,9 @@ class MultiWorkerExtended(MeshExtended):
             # in flight); dispatching it through the watch, which waits with a
             # deadline, means a lost peer is reported by name instead of hanging
             # this or a later read. ``fit``'s host work overlaps the running step.
-            dispatch = PeerWatch(layout.task_names(), layout.process_id, timeout).dispatch
+            presence = _distributed_runtime.presence()
+            watch = PeerWatch(layout.task_names(), layout.process_id, timeout, presence)
+            dispatch = watch.dispatch
         super().__init__(container_strategy, local, mesh_devices=everyone, dispatch=dispatch)
         if layout.num_workers > 1:  # TF's line, which names this task in every worker's log
             self._log_layout(layout, local, options)

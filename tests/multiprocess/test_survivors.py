@@ -1,0 +1,103 @@
+"""One task of a larger MultiWorkerMirroredStrategy job killed mid-fit: every survivor names it.
+
+Four and five processes, the task killed (SIGKILL, at a moment inside a step) being the
+first, a middle or the last one, and the coordinator's host (process 0: the chief, else
+worker 0, which hosts JAX's coordination service). Each survivor must raise
+``UnavailableError`` naming the lost task and only it, and exit with status 1: no
+survivor aborts (gloo, JAX's "the JAX distributed service detected fatal errors") and
+none is blamed.
+"""
+
+import pytest
+
+import keras_dist as kd
+from keras_dist import testing
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 240  # seconds per cluster; a hang fails the test with every task's log
+COLLECTIVE_TIMEOUT = 30
+
+
+def _fit_until_one_is_killed(victim: str):
+    import os
+    import signal
+    import threading
+    import time
+
+    import keras
+    import numpy as np
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(
+            timeout_seconds=COLLECTIVE_TIMEOUT
+        )
+    )
+    resolver = strategy.cluster_resolver
+    me = f"{resolver.task_type} {resolver.task_id}"
+
+    class KillVictim(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if me == victim and batch == 20:
+                # Killed a moment later, while the next steps run (inside a collective).
+                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((20,)), keras.layers.Dense(21), keras.layers.Dense(1)]
+        )
+        model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((6400, 20), "float32"), np.ones((6400, 1), "float32")
+    start = time.monotonic()
+    try:
+        model.fit(x, y, batch_size=64, epochs=50, verbose=0, callbacks=[KillVictim()])
+    except kd.errors.OpError as error:
+        seconds = time.monotonic() - start
+        print(f"SURVIVOR {me} {type(error).__name__} after {seconds:.1f} s: {error}", flush=True)
+        raise
+    return "finished"
+
+
+def _task_names(cluster):
+    return [f"{job} {i}" for job in ("chief", "worker") for i in range(len(cluster.get(job, [])))]
+
+
+@pytest.mark.parametrize(
+    "has_chief, num_workers, victim",
+    [
+        (False, 4, "worker 0"),  # the first, and the coordinator's host
+        (False, 4, "worker 2"),  # a middle one
+        (False, 4, "worker 3"),  # the last
+        (True, 4, "chief 0"),  # five tasks: the coordinator's host
+        (True, 4, "worker 1"),
+        (True, 4, "worker 3"),
+    ],
+)
+def test_every_survivor_names_the_killed_task_and_none_aborts(has_chief, num_workers, victim):
+    cluster = testing.create_cluster_spec(has_chief=has_chief, num_workers=num_workers)
+    with testing.MultiProcessRunner(
+        _fit_until_one_is_killed,
+        cluster,
+        args=(victim,),
+        devices_per_worker=1,
+        stream_output=False,
+        dependence_on_chief=False,
+        failure_grace=COLLECTIVE_TIMEOUT + 30,
+        terminate_grace=2,
+    ) as runner:
+        runner.start()
+        with pytest.raises((testing.UnexpectedSubprocessExitError, testing.WorkerError)):
+            runner.join(timeout=TIMEOUT)
+        logs = {}
+        for name in _task_names(cluster):
+            job, index = name.split()
+            logs[name] = (runner.logs(job, int(index)), runner.exit_code(job, int(index)))
+    everything = "\n\n".join(f"===== {name} (exit {c})\n{log}" for name, (log, c) in logs.items())
+    assert logs[victim][1] == -9, everything  # (SIGKILL)
+    for name, (log, code) in logs.items():
+        if name == victim:
+            continue
+        assert f"SURVIVOR {name} UnavailableError" in log, everything
+        assert f"Lost contact with {victim} during a collective" in log, everything
+        assert "terminate called" not in log and "Terminating process" not in log, everything
+        assert code == 1, everything
