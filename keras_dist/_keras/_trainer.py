@@ -319,20 +319,42 @@ def _wrap_distribute_data(original):
 def _wrap_enumerate_iterator(original):
     """The last execution of an epoch ends at the epoch's last batch, as in tf-keras.
 
-    Keras 3 reports ``begin + steps_per_execution - 1`` to ``on_*_batch_end``
-    even when the epoch ends sooner (batch 59 of a 50-batch epoch with
-    ``steps_per_execution=20``); tf-keras reports 49.
+    Keras 3 runs and reports ``steps_per_execution`` steps even when the epoch
+    ends sooner: with ``steps_per_epoch=50`` and ``steps_per_execution=20`` on
+    data that goes on, its first epoch trains 60 steps and ends at batch 59.
+    tf-keras's last execution runs the epoch's 10 remaining steps and ends at 49:
+    the execution is handed only those batches, and Keras's count of the batches
+    read (which ends the data's pass) counts only those.
     """
 
     @functools.wraps(original)
     def enumerate_iterator(self):
         steps = self.steps_per_epoch or self._num_batches
         for begin_step, end_step, iterator in original(self):
-            if steps and _in_strategy():
-                end_step = min(end_step, steps - 1)
+            if steps and _in_strategy() and end_step >= steps:
+                self._steps_seen -= end_step - (steps - 1)
+                end_step = steps - 1
+                iterator = _FirstBatches(iterator, end_step - begin_step + 1)
             yield begin_step, end_step, iterator
 
     return enumerate_iterator
+
+
+class _FirstBatches:
+    """The first ``count`` batches of ``iterator`` (the rest stay there for the next epoch)."""
+
+    def __init__(self, iterator, count: int):
+        self._iterator = iterator
+        self._left = count
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._left <= 0:
+            raise StopIteration
+        self._left -= 1
+        return next(self._iterator)
 
 
 def _wrap_get_metrics_result(original, training):

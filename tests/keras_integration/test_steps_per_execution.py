@@ -200,3 +200,48 @@ def test_a_loop_of_steps_carries_every_kind_of_state_as_single_steps_do():
     for key in ("loss", "mae"):
         np.testing.assert_allclose(looped_history[key], single_history[key], rtol=1e-5)
     np.testing.assert_allclose(looped_eval, single_eval, rtol=1e-5)
+
+
+class _Batches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(batch)
+
+
+def test_an_epoch_runs_its_steps_per_epoch_not_whole_executions():
+    # tf-keras: steps_per_epoch=5 with steps_per_execution=2 runs executions of 2, 2 and
+    # 1 steps each epoch (ending at batches 1, 3, 4). Keras 3 ran whole executions: 6 steps
+    # in the first epoch, reading into the second epoch's data.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(80, 5)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+
+    def fit(strategy, steps_per_execution):
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+            model.compile(
+                keras.optimizers.SGD(0.05), "mse", steps_per_execution=steps_per_execution
+            )
+        batches = _Batches()
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            steps_per_epoch=5,
+            shuffle=False,
+            callbacks=[batches],
+            verbose=0,
+        )
+        return model.get_weights(), batches.ends, int(model.optimizer.iterations)
+
+    one_step_weights, _, _ = fit(kd.OneDeviceStrategy("/cpu:0"), 1)
+    weights, ends, iterations = fit(kd.MirroredStrategy(cpus(2)), 2)
+    assert ends == [1, 3, 4, 1, 3, 4]
+    assert iterations == 10
+    for got, expected in zip(weights, one_step_weights):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

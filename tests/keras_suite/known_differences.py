@@ -15,6 +15,14 @@ _LAST_BATCH_INDEX = (
     "epoch's last batch, as tf-keras does (TF's test_host_training_loop: "
     "steps_per_execution=20 on 50 batches ends at batch 49)."
 )
+_EPOCH_OF_STEPS_PER_EPOCH = (
+    "With steps_per_epoch=5 and steps_per_execution=2, Keras 3 runs whole executions: 6 "
+    "steps in the first epoch (reading into the second epoch's data), 4 in the second, and "
+    "it counts 5 executions. keras_dist runs each epoch's 5 steps, its last execution a "
+    "single step, as tf-keras does (TF's test_host_training_loop_dataset_unknown_size: "
+    "steps_per_epoch=50, steps_per_execution=20 runs executions of 20, 20 and 10 steps "
+    "each epoch, ending at batch 49): 6 executions over the 2 epochs."
+)
 
 _PS_ASYNCHRONOUS = (
     "Two workers run steps at once on weights read before the other's update "
@@ -38,6 +46,14 @@ KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
         for n in (3, 101)
         for mode in ("eager", "jit", "non_jit")
     },
+    **{
+        "trainers/trainer_test.py::TestTrainer::"
+        f"test_steps_per_execution_steps_per_epoch_match_multi_epoch_{mode}": (
+            _ALL,
+            _EPOCH_OF_STEPS_PER_EPOCH,
+        )
+        for mode in ("eager", "jit", "non_jit")
+    },
     "trainers/trainer_test.py::TestTrainer::test_fit_eval_flow_for_jax_model_weights": (
         _ALL,
         "It asserts that Keras's JAX trainer empties every variable (`v._value is None`) "
@@ -46,14 +62,12 @@ KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
         "the other workers read them there (under ParameterServerStrategy, on the ps tasks).",
     ),
     "trainers/trainer_test.py::TestTrainer::test_retracing": (
-        _ALL,
+        ("mirrored", "multi_worker_mirrored", "parameter_server"),
         "It counts Python traces of `train_step` (at most 2), with steps_per_execution=20 "
         "and batches of 1 row. Under MirroredStrategy(4) (or 2 workers of 2 devices) each "
         "batch leaves 3 replicas "
         "empty: each replica's step is traced at its own shape (1 row, 0 rows) into one "
-        "program (4 traces). Under OneDeviceStrategy the 20 steps of an execution are "
-        "unrolled into one program (20 traces; Keras loops over them). Either program is "
-        "compiled once and reused for every execution. " + _PS_PROGRAM_TRACES,
+        "program (4 traces), compiled once and reused for every execution. " + _PS_PROGRAM_TRACES,
     ),
     "trainers/trainer_test.py::TestTrainer::test_retracing_predict": (
         ("parameter_server",),
