@@ -68,9 +68,9 @@ def first_failure(failures: list) -> tuple:
 def lost_peers(failure: Failure) -> set:
     """The tasks that ``failure``'s log reports lost, by name (itself left out).
 
-    >>> lost_peers(Failure(("worker", 1), 0.0, 1,
-    ...     "keras_dist.errors.UnavailableError: Lost contact with worker 0, worker 2 during"))
-    {'worker 0', 'worker 2'}
+    >>> sorted(lost_peers(Failure(("worker", 1), 0.0, 1,
+    ...     "keras_dist.errors.UnavailableError: Lost contact with worker 0, worker 2 during")))
+    ['worker 0', 'worker 2']
     """
     names = set()
     for line in failure.log_tail.splitlines():
