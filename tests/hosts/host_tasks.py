@@ -74,6 +74,62 @@ def _gloo_hostname():
 
 
 # ------------------------------------------------------------ MWMS: a link cut mid-fit
+def _pace(out, task):
+    """A callback: says when batch 3 ended (``<task>-batch3.mark``), records when each
+    batch ended (``batch_ends``), and paces the steps (0.1 s) so that a cut falls mid-fit."""
+    import keras
+
+    class Pace(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batch_ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batch_ends.append(time.time())
+            if batch == 3:
+                (out / f"{task}-batch3.mark").touch()
+            time.sleep(0.1)
+
+    return Pace()
+
+
+CUT_FIT_ROWS = FIT_ROWS * 15  # 60 steps: 0.1 s apart, and a link cut for a few seconds
+
+
+def mwms_fit_through_a_cut(out, timeout_seconds):
+    """``mwms_fit`` (60 steps, one epoch) paced so that a link can be cut and restored mid-fit.
+
+    Writes the first and last weights (``<task>.npz``), and the error (if any), when
+    ``fit`` ended and when each batch ended (``<task>.json``).
+    """
+    import keras
+
+    import keras_dist as kd
+
+    strategy = kd.MultiWorkerMirroredStrategy(
+        communication_options=kd.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
+    )
+    task = _task()
+    keras.utils.set_random_seed(strategy.cluster_resolver.task_id)
+    with strategy.scope():
+        model = tiny_model()
+    initial = flat(model.get_weights())
+    x, y = regression_data(CUT_FIT_ROWS)
+    pace = _pace(out, task)
+    result = {"error": None}
+    try:
+        history = model.fit(
+            x, y, batch_size=FIT_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[pace]
+        )
+        np.savez(out / f"{task}.npz", initial=initial, final=flat(model.get_weights()))
+        result["loss"] = history.history["loss"]
+    except BaseException as error:
+        result = {"error": type(error).__name__, "message": str(error)}
+        raise
+    finally:
+        _write_json(out, task, {**result, "time": time.time(), "batch_ends": pace.batch_ends})
+
+
 def mwms_lose_link(out, timeout_seconds):
     import keras
 
@@ -83,21 +139,12 @@ def mwms_lose_link(out, timeout_seconds):
         communication_options=kd.experimental.CommunicationOptions(timeout_seconds=timeout_seconds)
     )
     task = _task()
-
-    class Pace(keras.callbacks.Callback):
-        """Says when batch 3 ended, and paces the steps so that the cut falls mid-fit."""
-
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 3:
-                (out / f"{task}-batch3.mark").touch()
-            time.sleep(0.1)
-
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
     x, y = np.ones((24 * 400, 3), "float32"), np.ones((24 * 400, 1), "float32")
     try:
-        model.fit(x, y, batch_size=24, epochs=1, verbose=0, callbacks=[Pace()])
+        model.fit(x, y, batch_size=24, epochs=1, verbose=0, callbacks=[_pace(out, task)])
     except BaseException as error:
         _write_json(
             out,

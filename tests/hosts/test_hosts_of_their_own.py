@@ -217,3 +217,97 @@ def test_a_worker_link_cut_for_good_mid_fit_makes_the_survivors_name_it(tmp_path
             assert survivor["time"] - cut_at < bound
         # ...and they exit (the exit hook), not left waiting on the lost peer.
         assert netns_hosts.wait_all(tasks[:2], 30) == [1, 1]
+
+
+def _mwms_tasks(hosts, out, role, *args):
+    """One task of a 3-worker MWMS cluster on each host (worker ``i`` on host ``i``)."""
+    cluster = {"worker": [f"{address}:{PORT}" for address in hosts.addresses]}
+    return [
+        hosts.python(i, TASKS, role, out, *args, env=_tf_config(cluster, "worker", i))
+        for i in range(len(hosts.addresses))
+    ]
+
+
+def _wait_exits(processes, timeout):
+    """Each process's exit status and time (``None`` for those still running after ``timeout``)."""
+    deadline = time.time() + timeout
+    ended = [None] * len(processes)
+    while time.time() < deadline and None in ended:
+        for i, process in enumerate(processes):
+            if ended[i] is None and process.poll() is not None:
+                ended[i] = time.time()
+        time.sleep(0.1)
+    return [process.poll() for process in processes], ended
+
+
+CUT_SECONDS = 5
+CUT_TIMEOUT = 20  # the collective timeout, longer than the cut
+# Seconds from the restore to every task's end: TCP retransmitting (its backoff reaches
+# a few seconds during the cut), the steps left (~10 s on 2 loaded cores) and JAX's
+# shutdown, with a margin.
+CUT_RECOVERY_BOUND = 60
+
+
+def test_a_worker_link_cut_for_5_s_mid_fit_recovers_with_one_devices_weights(tmp_path):
+    with netns_hosts.NetnsHosts(3, log_dir=tmp_path) as hosts, _logs_on_failure(hosts):
+        tasks = _mwms_tasks(hosts, tmp_path, "mwms_fit_through_a_cut", CUT_TIMEOUT)
+        netns_hosts.wait_for_file(tmp_path / "worker2-batch3.mark", STARTUP, processes=tasks)
+        hosts.cut(2)
+        cut_at = time.time()
+        time.sleep(CUT_SECONDS)
+        hosts.restore(2)
+        restored_at = time.time()
+        codes, ended = _wait_exits(tasks, CUT_RECOVERY_BOUND)
+        for i, (code, end) in enumerate(zip(codes, ended)):
+            after = "still running" if end is None else f"ended {end - restored_at:.1f} s"
+            print(f"worker {i}: exit status {code}, {after} after the restore")
+        results = [_read(tmp_path, f"worker{i}") for i in range(3)]
+        for i, result in enumerate(results):
+            gaps = np.diff(result["batch_ends"])
+            print(f"worker {i}: {result.get('error')}, longest step {gaps.max():.1f} s")
+            assert result["error"] is None, result
+        assert codes == [0, 0, 0]
+        # The cut fell mid-fit: the steps stopped through it, and went on after.
+        stalled = np.diff(results[0]["batch_ends"]).max()
+        assert stalled > CUT_SECONDS - 1
+        assert results[0]["batch_ends"][-1] > restored_at
+        weights = [np.load(tmp_path / f"worker{i}.npz") for i in range(3)]
+        for result in weights[1:]:
+            np.testing.assert_array_equal(result["final"], weights[0]["final"])
+    # One device from the same first weights on the same global batches.
+    model = host_tasks.tiny_model()
+    shapes = [w.shape for w in model.get_weights()]
+    pieces = np.split(weights[0]["initial"], np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    model.set_weights([w.reshape(s) for w, s in zip(pieces, shapes)])
+    x, y = host_tasks.regression_data(host_tasks.CUT_FIT_ROWS)
+    model.fit(x, y, batch_size=host_tasks.FIT_BATCH, epochs=1, shuffle=False, verbose=0)
+    expected = host_tasks.flat(model.get_weights())
+    np.testing.assert_allclose(weights[0]["final"], expected, atol=1e-5)
+    print(f"cut for {restored_at - cut_at:.1f} s; longest step {stalled:.1f} s")
+
+
+def test_the_coordinators_link_cut_for_good_mid_fit_makes_the_others_name_it(tmp_path):
+    """Worker 0 hosts JAX's coordination service: its link cut, the others lose it too."""
+    with netns_hosts.NetnsHosts(3, log_dir=tmp_path) as hosts, _logs_on_failure(hosts):
+        tasks = _mwms_tasks(hosts, tmp_path, "mwms_lose_link", COLLECTIVE_TIMEOUT)
+        netns_hosts.wait_for_file(tmp_path / "worker0-batch3.mark", STARTUP, processes=tasks)
+        hosts.cut(0)
+        cut_at = time.time()
+        bound = COLLECTIVE_TIMEOUT + LOST_MARGIN
+        codes, ended = _wait_exits(tasks[1:], bound + 30)  # past the bound: a hang is seen
+        survivors = {}
+        for i, code, end in zip((1, 2), codes, ended):
+            path = tmp_path / f"worker{i}.json"
+            survivors[i] = _read(tmp_path, f"worker{i}") if path.exists() else None
+            after = "still running" if end is None else f"exited {end - cut_at:.1f} s"
+            raised = survivors[i] and f"raised {survivors[i]['time'] - cut_at:.1f} s, "
+            print(f"worker {i}: {raised}{after} after the cut (status {code}): {survivors[i]}")
+        for i, code, end in zip((1, 2), codes, ended):
+            survivor = survivors[i]
+            assert end is not None, f"worker {i} still running {bound + 30} s after the cut"
+            assert survivor is not None, f"worker {i} ended (status {code}) without an error"
+            assert survivor["error"] in ("UnavailableError", "DeadlineExceededError"), survivor
+            assert "worker 0" in survivor["message"], survivor
+            assert survivor["time"] - cut_at < bound, survivor
+            assert end - cut_at < bound + 10
+        assert codes == [1, 1]  # the exit hook's status, not JAX's abort (-6)
