@@ -4,8 +4,9 @@ JAX alone would either raise gloo's bare "Connection closed by peer" (a peer
 died) or block forever (a peer is stuck outside the collective). Instead
 ``PeerWatch`` dispatches each execution on its own thread and waits for it
 with ``CommunicationOptions.timeout_seconds``; on a transport error or a missed
-deadline the survivors find out *which* tasks are missing, through the
-coordination service's key-value store, and raise ``UnavailableError`` or
+deadline the survivors find out *which* tasks are missing by asking every peer
+directly (``_presence``; the coordination service's key-value store where that
+is not started), tell the others, and raise ``UnavailableError`` or
 ``DeadlineExceededError`` naming them.
 
 ``fit``'s steps may still run when their dispatch returns (``_engine/_gate.py``,
