@@ -42,6 +42,8 @@ _KEY_PREFIX = "keras_dist/presence/"
 # How long a peer has to answer "here": a healthy one answers in milliseconds,
 # even on a loaded machine within a second or two.
 ANSWER_SECONDS = 2.0
+# A message is a few dozen bytes; a longer line is not ours and is cut off (then refused).
+_LINE_LIMIT = 65536
 
 
 class Presence:
@@ -135,7 +137,7 @@ class Presence:
         with connection:
             try:
                 connection.settimeout(ANSWER_SECONDS)
-                message = json.loads(connection.makefile("r").readline())
+                message = json.loads(connection.makefile("r").readline(_LINE_LIMIT))
                 if message.get("ask") == "lost":
                     with self._lock:
                         self._news[int(message["from"])] = [int(p) for p in message["lost"]]
@@ -158,7 +160,7 @@ def _request(address, message) -> "dict | None":
         with socket.create_connection((host, int(port)), timeout=ANSWER_SECONDS) as connection:
             connection.settimeout(ANSWER_SECONDS)
             connection.sendall((json.dumps(message) + "\n").encode())
-            line = connection.makefile("r").readline()
+            line = connection.makefile("r").readline(_LINE_LIMIT)
         return json.loads(line) if line else None
     except (OSError, ValueError):
         return None
