@@ -99,6 +99,48 @@ def test_last_batch_smaller_than_replica_count_gives_empty_replicas():
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "make_strategy",
+    [lambda: kd.OneDeviceStrategy("/cpu:0"), lambda: kd.MirroredStrategy(cpus(2)),
+     lambda: kd.experimental.CentralStorageStrategy(cpus(2))],
+    ids=["one_device", "mirrored", "central_storage"],
+)  # fmt: skip
+def test_apply_gradients_in_cross_replica_context_raises_and_changes_nothing(make_strategy):
+    # TF refuses it: outside ``strategy.run`` the gradients are not a replica's.
+    strategy = make_strategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.5)
+    before = [w.numpy() for w in model.weights]
+    grads = [np.ones(w.shape, "float32") for w in model.trainable_variables]
+    with strategy.scope():
+        with pytest.raises(RuntimeError, match=r"cannot be called in cross-replica context"):
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        for got, want in zip(model.weights, before):
+            np.testing.assert_array_equal(got.numpy(), want)
+        assert int(optimizer.iterations.numpy()) == 0
+
+        # In a replica it applies the replicas' summed gradients once.
+        def step():
+            ones = [keras.ops.ones(w.shape) for w in model.trainable_variables]
+            optimizer.apply_gradients(zip(ones, model.trainable_variables))
+
+        strategy.run(step)
+    replicas = strategy.num_replicas_in_sync
+    for got, want in zip(model.weights, before):
+        np.testing.assert_allclose(got.numpy(), want - 0.5 * replicas, atol=1e-6)
+    assert int(optimizer.iterations.numpy()) == 1
+
+
+def test_apply_gradients_outside_a_strategy_scope_applies():
+    # The default strategy has no cross-replica context (TF's neither): Keras applies.
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="ones")])
+    optimizer = keras.optimizers.SGD(0.5)
+    optimizer.apply_gradients(zip([np.ones((1, 1), "float32"), np.ones((1,), "float32")],
+                                  model.trainable_variables))  # fmt: skip
+    np.testing.assert_allclose(model.layers[0].kernel.numpy(), [[0.5]])
+
+
 def test_custom_training_loop_example_learns_digits():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     result = subprocess.run(
