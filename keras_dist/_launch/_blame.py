@@ -7,7 +7,9 @@ must name the task that failed first: blaming a healthy survivor would drop a go
 and keep the dead one.
 
 A task whose log reports a lost peer that failed too is that peer's victim, whatever the
-times say (a hung peer fails late), and is not blamed. Among the rest, each exit's time is
+times say (a hung peer fails late), and is not blamed. When every failed task reports
+another (a host cut off from the network reports every peer lost, and each peer reports
+it), the task most of them report is blamed. Among the rest, each exit's time is
 noted by a thread that waits for that one process (``TaskProcess.exited_at``), so exits are
 ordered even when the runner's poll finds several at once. Exits less than
 ``SIMULTANEOUS`` seconds apart count as one moment: a launcher that was descheduled (a
@@ -18,6 +20,7 @@ tasks that report a lost peer.
 """
 
 import re
+from collections import Counter
 from typing import NamedTuple
 
 # Exits this close (seconds) are one moment: above the jitter of the threads that note the
@@ -54,15 +57,30 @@ def first_failure(failures: list) -> tuple:
     ('worker', 2)
     >>> first_failure([victim._replace(log_tail=""), killed._replace(exited_at=10.5)])
     ('worker', 0)
+    >>> cut_off = Failure(("worker", 2), 9.0, 1, "UnavailableError: worker 0, worker 1 lost")
+    >>> other = Failure(("worker", 1), 10.0, 1, "UnavailableError: worker 2 lost")
+    >>> first_failure([victim, other, cut_off._replace(exited_at=10.0)])  # named by both
+    ('worker', 2)
     """
     failed = {failure.name for failure in failures}
-    # Victims of a failed peer step aside (unless every failure names another: a circle).
-    candidates = [f for f in failures if not lost_peers(f) & failed] or failures
+    # Victims of a failed peer step aside.
+    candidates = [f for f in failures if not lost_peers(f) & failed]
+    if not candidates:  # every failure names another: a circle
+        candidates = _most_named(failures, failed)
     earliest = min(failure.exited_at for failure in candidates)
     together = [f for f in candidates if f.exited_at - earliest <= SIMULTANEOUS]
     if len(together) == 1:
         return together[0].key
     return min(together, key=lambda f: (_rank(f), f.exited_at, f.key)).key
+
+
+def _most_named(failures: list, failed: set) -> list:
+    """The failures the most others report lost (a host cut off names every peer, and
+    every peer names it alone); all of them when that is not one task."""
+    votes = Counter(name for f in failures for name in lost_peers(f) & failed)
+    most = max(votes.values())
+    named = [f for f in failures if votes[f.name] == most]
+    return named if len(named) == 1 else failures
 
 
 def lost_peers(failure: Failure) -> set:

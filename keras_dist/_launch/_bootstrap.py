@@ -3,6 +3,10 @@
 Run by path (it imports only the standard library)::
 
     python _bootstrap.py LAUNCHER_PID MODE ARGS...
+    python _bootstrap.py parent MODE --payload TEXT    # a task on a host of its own
+
+(``parent``: the task lives as long as the process that started it on its host, such
+as ``ssh``'s session; ``TEXT`` carries the task's environment and ``ARGS``, see ``pack``.)
 
 ``ARGS`` are the task's interpreter arguments (``script.py a b``, ``-m module a b``,
 ``_worker.py call result``). Tasks run in their own session, so signals that end the
@@ -22,7 +26,9 @@ In both modes a launcher that died before this ran (between its ``fork`` and her
 at once: the parent is no longer ``LAUNCHER_PID``, and the task ends before it starts.
 """
 
+import base64
 import ctypes
+import json
 import os
 import runpy
 import signal
@@ -32,12 +38,38 @@ import time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCH_INTERVAL = 0.5
+# Instead of a pid: the task lives as long as whatever started it on its host.
+_PARENT = "parent"
+# Then one argument: the task's environment and arguments (JSON in base64).
+_PAYLOAD = "--payload"
+
+
+def pack(env: dict, args: list) -> list:
+    """``[--payload, TEXT]``: ``env`` and ``args`` in one word that no shell splits or expands.
+
+    A task on another host is started through a remote shell (``ssh host ...``), which
+    joins its words and parses them again, and which does not pass this environment.
+    """
+    payload = json.dumps({"env": env, "args": args}).encode()
+    return [_PAYLOAD, base64.urlsafe_b64encode(payload).decode("ascii")]
+
+
+def _unpack(text: str) -> list:
+    payload = json.loads(base64.urlsafe_b64decode(text.encode("ascii")))
+    os.environ.update(payload["env"])  # what ``execv`` hands the task
+    return payload["args"]
+
+
+def _launcher_pid(text: str) -> int:
+    return os.getppid() if text == _PARENT else int(text)
 
 
 def main(argv: list[str]) -> None:
-    launcher_pid, mode, args = int(argv[0]), argv[1], argv[2:]
+    launcher_pid, mode, args = _launcher_pid(argv[0]), argv[1], argv[2:]
+    if args[:1] == [_PAYLOAD]:
+        args = _unpack(args[1])
     if not args:
-        raise SystemExit("usage: _bootstrap.py LAUNCHER_PID exec|watch ARGS...")
+        raise SystemExit(f"usage: _bootstrap.py LAUNCHER_PID|{_PARENT} exec|watch ARGS...")
     if mode == "exec":
         if set_parent_death_signal(signal.SIGKILL):
             _die_if_orphaned(launcher_pid)

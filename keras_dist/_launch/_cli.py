@@ -21,7 +21,8 @@ import sys
 from keras_dist._launch._errors import SubprocessTimeoutError
 from keras_dist._launch._errors import UnexpectedSubprocessExitError
 from keras_dist._launch._errors import WorkerError
-from keras_dist._launch._launcher import kept_devices
+from keras_dist._launch._hosts import check_hosts
+from keras_dist._launch._launcher import kept_per_task
 from keras_dist._launch._launcher import run_elastic
 from keras_dist._launch._process import describe_exit
 from keras_dist._launch._program import ScriptProgram
@@ -42,6 +43,7 @@ examples:
   keras-dist launch --chief --ps 1 --workers 2 examples/parameter_server_fit.py
   keras-dist launch --workers 4 --max-restarts 3 -m my_package.train
   keras-dist launch --workers 2:4 --max-restarts 3 train.py
+  keras-dist launch --workers 3 --hosts n1,n2,n3 --host-command 'ssh {host}' train.py
 """
 
 
@@ -137,6 +139,22 @@ def _parser() -> argparse.ArgumentParser:
         help="after a task failed, seconds the others get before they are stopped (default: 30)",
     )
     launch.add_argument(
+        "--hosts",
+        type=lambda text: [part for part in text.split(",") if part],
+        default=None,
+        metavar="H,...",
+        help=(
+            "one host address per task (chief, workers, then ps), to run each task there "
+            "with --host-command instead of on 127.0.0.1; the hosts share this file system"
+        ),
+    )
+    launch.add_argument(
+        "--host-command",
+        default=None,
+        metavar="CMD",
+        help="how a task reaches its host, {host} standing for the address: 'ssh {host}'",
+    )
+    launch.add_argument(
         "--log-dir", default=None, metavar="DIR", help="keep each task's log in DIR/<task>.log"
     )
     launch.add_argument(
@@ -159,13 +177,14 @@ def _launch(options: argparse.Namespace) -> int:
             program,
             cluster,
             env=ps_environment(None) if options.ps else None,
-            devices_per_worker=kept_devices(
+            devices_per_worker=kept_per_task(
                 options.devices_per_worker, options.chief, num_workers, kept_workers
             ),
             # A parameter-server job goes on without a failed worker, as TF's does.
             survivable=("worker",) if options.ps else (),
             failure_grace=options.grace,
             log_dir=options.log_dir,
+            host_command=options.host_command,
         )
 
     # A signal ignored on purpose (`nohup`, a background job's SIGINT) stays ignored.
@@ -183,6 +202,10 @@ def _launch(options: argparse.Namespace) -> int:
             num_ps=options.ps,
             max_restarts=options.max_restarts,
             timeout=options.timeout,
+            hosts=check_hosts(
+                options.hosts, options.host_command, int(options.chief) + num_workers + options.ps
+            ),
+            host_command=options.host_command,
         )
     except SubprocessTimeoutError:
         _say(f"the tasks did not finish within --timeout {options.timeout:g} s; stopped them.")

@@ -40,7 +40,11 @@ def pick_unused_port() -> int:
 
 
 def create_cluster_spec(
-    has_chief: bool = False, num_workers: int = 1, num_ps: int = 0, has_eval: bool = False
+    has_chief: bool = False,
+    num_workers: int = 1,
+    num_ps: int = 0,
+    has_eval: bool = False,
+    hosts: "list[str] | None" = None,
 ) -> dict[str, list[str]]:
     """A cluster of tasks on 127.0.0.1 with free ports, as a ``TF_CONFIG`` cluster dict.
 
@@ -49,6 +53,8 @@ def create_cluster_spec(
         num_workers: The number of ``"worker"`` tasks.
         num_ps: The number of ``"ps"`` (parameter server) tasks.
         has_eval: Whether the cluster has an ``"evaluator"`` task.
+        hosts: Each task's host address instead of 127.0.0.1, in task order (chief,
+            workers, ps, evaluator); the ports are ones free here.
 
     >>> spec = create_cluster_spec(has_chief=True, num_workers=2)
     >>> list(spec), len(spec["worker"])
@@ -59,15 +65,19 @@ def create_cluster_spec(
     for name, count in (("num_workers", num_workers), ("num_ps", num_ps)):
         if not isinstance(count, int) or count < 0:
             raise ValueError(f"`{name}` must be a non-negative integer. Received: {name}={count!r}")
-    spec = {}
-    if has_chief:
-        spec["chief"] = [_address()]
-    if num_workers:
-        spec["worker"] = [_address() for _ in range(num_workers)]
-    if num_ps:
-        spec["ps"] = [_address() for _ in range(num_ps)]
-    if has_eval:
-        spec["evaluator"] = [_address()]
+    counts = {"chief": int(has_chief), "worker": num_workers, "ps": num_ps}
+    counts["evaluator"] = int(has_eval)
+    if hosts is not None and len(hosts) != sum(counts.values()):
+        raise ValueError(
+            f"`hosts` must give one address per task ({sum(counts.values())}). "
+            f"Received: hosts={hosts!r}"
+        )
+    places = iter(hosts or [_LOCALHOST] * sum(counts.values()))
+    spec = {
+        job: [f"{next(places)}:{pick_unused_port()}" for _ in range(count)]
+        for job, count in counts.items()
+        if count
+    }
     if not spec:
         raise ValueError(
             "The cluster has no task. Received: has_chief=False, num_workers=0, num_ps=0, "
@@ -99,7 +109,3 @@ def tf_config(cluster_spec, task_type: str, task_id: int) -> str:
     """
     cluster = ClusterSpec(cluster_spec).as_dict()
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_id}})
-
-
-def _address() -> str:
-    return f"{_LOCALHOST}:{pick_unused_port()}"

@@ -20,6 +20,8 @@ import time
 from keras_dist._launch._cluster import create_cluster_spec
 from keras_dist._launch._errors import UnexpectedSubprocessExitError
 from keras_dist._launch._errors import WorkerError
+from keras_dist._launch._hosts import check_hosts
+from keras_dist._launch._hosts import unreachable_hosts
 from keras_dist._launch._runner import MultiProcessRunner
 from keras_dist.parameter_server._job import join_job
 from keras_dist.parameter_server._job import ps_environment
@@ -40,6 +42,8 @@ def launch(
     min_workers: int | None = None,
     stream_output: bool = True,
     failure_grace: float = 30.0,
+    hosts: "list[str] | None" = None,
+    host_command: str | None = None,
 ) -> list:
     """Runs ``fn(*args, **kwargs)`` in ``num_workers`` local processes; returns their results.
 
@@ -71,6 +75,10 @@ def launch(
         stream_output: Print every task's output as it comes, prefixed ``[worker 1] ``.
         failure_grace: Seconds the other tasks get after a task failed (to finish, or to
             report their own error) before they are stopped.
+        hosts: One host address per task (chief, workers, then ps) to run it on, instead
+            of 127.0.0.1; each worker's host stands for its machine in an elastic job.
+        host_command: How a task reaches its host: a command line whose ``{host}`` is the
+            address (``"ssh {host}"``). The hosts share this machine's file system.
 
     Returns:
         The return value of every task: chief first, then the workers by index.
@@ -97,13 +105,14 @@ def launch(
             args=args,
             kwargs=kwargs,
             env=env,
-            devices_per_worker=kept_devices(
+            devices_per_worker=kept_per_task(
                 devices_per_worker, has_chief, num_workers, kept_workers
             ),
             stream_output=stream_output,
             # A parameter-server job goes on without a failed worker, as TF's does.
             survivable=("worker",) if num_ps else (),
             failure_grace=failure_grace,
+            host_command=host_command,
         )
 
     return run_elastic(
@@ -115,19 +124,23 @@ def launch(
         verbose=stream_output,
         num_ps=num_ps,
         min_workers=min_workers,
+        hosts=check_hosts(hosts, host_command, int(has_chief) + num_workers + num_ps),
+        host_command=host_command,
     )
 
 
-def kept_devices(devices_per_worker, has_chief, num_workers, kept_workers):
-    """The device counts of the tasks an elastic job still has (one count: unchanged).
+def kept_per_task(per_task, has_chief, num_workers, kept_workers):
+    """The entries (device counts, hosts) of the tasks an elastic job still has.
 
-    >>> kept_devices([1, 2, 4, 8, 1], True, 3, [0, 2])  # chief, workers 0 and 2, ps
+    One value for every task (not a list) stays as it is.
+
+    >>> kept_per_task([1, 2, 4, 8, 1], True, 3, [0, 2])  # chief, workers 0 and 2, ps
     [1, 2, 8, 1]
     """
-    if not isinstance(devices_per_worker, (list, tuple)):
-        return devices_per_worker
+    if not isinstance(per_task, (list, tuple)):
+        return per_task
     lead = 1 if has_chief else 0
-    counts = list(devices_per_worker)
+    counts = list(per_task)
     workers = counts[lead : lead + num_workers]
     if len(workers) != num_workers:
         return counts  # the runner reports the mismatch
@@ -144,6 +157,8 @@ def run_elastic(
     verbose=True,
     num_ps=0,
     min_workers=None,
+    hosts=None,
+    host_command=None,
 ) -> list:
     """Runs ``make_runner(cluster_spec, kept_workers)`` until it succeeds.
 
@@ -152,7 +167,10 @@ def run_elastic(
     attempt's ``num_workers``, of the workers this attempt has: with
     ``min_workers`` below ``num_workers``, the failed worker is left out once it is
     known to be gone: killed by a signal, or failed in the last two attempts (see the
-    module's docstring). ``verbose`` prints a line before each restart.
+    module's docstring). ``verbose`` prints a line before each restart. ``hosts``: each
+    task's host (``check_hosts``), or ``None`` for 127.0.0.1; then a worker whose host the
+    other hosts cannot reach (``host_command`` runs their probes) is gone for good, whatever
+    the failure's blame says.
     """
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(
@@ -174,7 +192,12 @@ def run_elastic(
     last_failed = None
     attempt = 0
     while True:
-        cluster = create_cluster_spec(has_chief=has_chief, num_workers=len(kept), num_ps=num_ps)
+        cluster = create_cluster_spec(
+            has_chief=has_chief,
+            num_workers=len(kept),
+            num_ps=num_ps,
+            hosts=kept_per_task(hosts, has_chief, num_workers, kept),
+        )
         with make_runner(cluster, list(kept)) as runner:
             runner.start()
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -189,11 +212,19 @@ def run_elastic(
                 failed = kept[error.task_id] if error.task_type == "worker" else None
                 summary = str(error).splitlines()[0].rstrip(".")
                 gone = _why_gone(error, failed, last_failed)
-                if gone is not None and len(kept) > min_workers:
-                    kept.remove(failed)
+                dropped = [failed] if gone is not None else []
+                if host_command is not None and len(kept) > min_workers:
+                    # Hosts of their own: the hosts' own view of the network decides.
+                    lost = _unreachable_workers(cluster, host_command, kept)
+                    if lost:
+                        dropped, gone = lost, _unreachable_clause(cluster, kept, lost)
+                dropped = dropped[: len(kept) - min_workers]
+                if dropped:
+                    kept = [machine for machine in kept if machine not in dropped]
                     last_failed = None
                     message = (
-                        f"{summary}{gone}: continuing without that machine, on "
+                        f"{summary}{gone}: continuing without "
+                        f"{'that machine' if len(dropped) == 1 else 'those machines'}, on "
                         f"{len(kept)} workers (min {min_workers}; restart {attempt} of "
                         f"{max_restarts})."
                     )
@@ -205,6 +236,16 @@ def run_elastic(
                     )
                 if verbose:
                     _announce(message)
+
+
+def _unreachable_workers(cluster, host_command, kept) -> list:
+    """The machines (indices of the first attempt's workers) whose host the others lost."""
+    return [kept[i] for i in sorted(unreachable_hosts(host_command, cluster["worker"]))]
+
+
+def _unreachable_clause(cluster, kept, lost) -> str:
+    hosts = ", ".join(cluster["worker"][kept.index(m)].rsplit(":", 1)[0] for m in lost)
+    return f"; the other hosts cannot reach {hosts}"
 
 
 def _why_gone(error, failed, last_failed) -> str | None:

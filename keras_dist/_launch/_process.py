@@ -26,6 +26,7 @@ import threading
 import time
 
 from keras_dist._launch import _bootstrap
+from keras_dist._launch._hosts import on_host
 
 _BOOTSTRAP_PATH = os.path.abspath(_bootstrap.__file__)
 
@@ -59,16 +60,23 @@ class TaskProcess:
     def pid(self) -> int | None:
         return None if self.popen is None else self.popen.pid
 
-    def start(self, command: list[str], env: dict[str, str], banner: str | None = None) -> None:
-        """Starts (or restarts) the task; ``banner`` is a line for the log before its output."""
+    def start(self, command, env, banner: str | None = None, host_prefix=()) -> None:
+        """Starts (or restarts) the task; ``banner`` is a line for the log before its output.
+
+        ``host_prefix`` (``ssh host``...) starts it on a host of its own (``_hosts``).
+        """
         log = open(self.log_path, "ab")  # Closed by the reader thread, at the end of output.
         if banner:
             log.write(f"{banner}\n".encode())
             log.flush()
             self._stream(f"{banner}\n")
         try:
+            if host_prefix:
+                command = on_host(list(host_prefix), _BOOTSTRAP_PATH, command, env)
+            else:
+                command = with_bootstrap(command)
             self.popen = _popen(
-                with_bootstrap(command),
+                command,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

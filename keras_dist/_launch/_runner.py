@@ -23,6 +23,7 @@ from keras_dist._launch._errors import SubprocessTimeoutError
 from keras_dist._launch._errors import UnexpectedSubprocessExitError
 from keras_dist._launch._errors import format_logs
 from keras_dist._launch._errors import remote_error
+from keras_dist._launch._hosts import host_prefixes
 from keras_dist._launch._program import FunctionProgram
 from keras_dist._launch._program import ScriptProgram
 from keras_dist._launch._task_slot import TaskSlot
@@ -66,6 +67,8 @@ class MultiProcessRunner:
         terminate_grace: Seconds between SIGTERM and SIGKILL when a task is stopped.
         log_dir: Folder for the log files (``<task_type>-<task_id>.log``); by default a
             temporary folder removed with the runner.
+        host_command: Starts each task on the host of its address (``ssh {host}``: see
+            ``_hosts``); by default every task runs here.
 
     >>> def where_am_i():
     ...     import json, os
@@ -102,6 +105,7 @@ class MultiProcessRunner:
         failure_grace: float = 30.0,
         terminate_grace: float = 10.0,
         log_dir: str | None = None,
+        host_command: str | None = None,
     ):
         _check_seconds(max_run_time=max_run_time, allow_none=True)
         _check_seconds(failure_grace=failure_grace, terminate_grace=terminate_grace)
@@ -117,6 +121,7 @@ class MultiProcessRunner:
         self._max_run_time = max_run_time
         self._env = dict(env or {})
         self._devices = devices_by_task(devices_per_worker, keys)
+        self._host_prefixes = host_prefixes(cluster_spec, host_command)
         self._auto_restart = auto_restart
         self._max_restarts = max_restarts
         self._dependence_on_chief = dependence_on_chief
@@ -188,21 +193,17 @@ class MultiProcessRunner:
         ``grace`` defaults to the runner's ``terminate_grace``. Returns once it has exited;
         a terminated task is not restarted and is not a failure (its result is ``None``).
         """
-        key = self._key(task_type, task_id)
-        with self._lock:
-            slot = self._slots[key]
-            slot.stopped = slot.process.running()
-        _process.terminate([slot.process], self._grace(grace))
-        with self._lock:
-            self._collect_exits()
+        self._stop_one(task_type, task_id, lambda p: _process.terminate(p, self._grace(grace)))
 
     def kill(self, task_type: str, task_id: int) -> None:
         """Stops one task now with SIGKILL (to its process group), as a crash would."""
-        key = self._key(task_type, task_id)
+        self._stop_one(task_type, task_id, _process.kill)
+
+    def _stop_one(self, task_type: str, task_id: int, stop) -> None:
         with self._lock:
-            slot = self._slots[key]
+            slot = self._slots[self._key(task_type, task_id)]
             slot.stopped = slot.process.running()
-        _process.kill([slot.process])
+        stop([slot.process])
         with self._lock:
             self._collect_exits()
 
@@ -309,7 +310,7 @@ class MultiProcessRunner:
             banner = (
                 f"----- keras-dist: {slot.process.name} restarted (restart {slot.starts}) -----"
             )
-        slot.process.start(self._program.command(*key), env, banner)
+        slot.process.start(self._program.command(*key), env, banner, self._host_prefixes[key])
         slot.starts += 1
         slot.exit_code = None
         slot.outcome = None

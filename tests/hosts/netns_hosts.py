@@ -176,6 +176,29 @@ class NetnsHosts:
         argv = [sys.executable, str(script), *map(str, args)]
         return self.start(host, argv, env=environment, name=name)
 
+    def host_command(self, directory):
+        """A launcher's ``host_command`` that runs a task on the host of its address.
+
+        As ``ssh {host}`` would on a cluster: a script (written to ``directory``) enters
+        the host's namespaces, without this machine's proxies.
+        """
+        script = pathlib.Path(directory) / "on_host"
+        cases = "".join(
+            f"  {address}) ns={namespace}; name={hostname};;\n"
+            for address, namespace, hostname in zip(
+                self.addresses, self._namespaces, self.hostnames
+            )
+        )
+        unset = " ".join(f"-u {name}" for name in _DROPPED_ENV if name != "XLA_FLAGS")
+        script.write_text(
+            '#!/bin/sh\ncase "$1" in\n'
+            f'{cases}  *) echo "on_host: no host $1" >&2; exit 2;;\nesac\nshift\n'
+            f'exec env {unset} ip netns exec "$ns" unshare --uts '
+            """sh -c 'hostname "$0" && exec "$@"' "$name" "$@"\n"""
+        )
+        script.chmod(0o755)
+        return f"{script} {{host}}"
+
     def logs(self):
         """Every process's output so far, each under its name and exit status."""
         parts = []
