@@ -18,6 +18,7 @@ from keras_dist._launch._hosts import unreachable_hosts
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 HOST_COMMAND = "env KD_ON_HOST={host}"
+_LAUNCH = [sys.executable, "-m", "keras_dist._launch._cli", "launch", "--workers", "2"]
 TRICKY = 'a value with spaces, "quotes", $HOME and ; & | {}'
 
 
@@ -87,9 +88,7 @@ def test_a_task_on_a_host_dies_with_the_launcher_that_started_it(tmp_path):
         "pathlib.Path(sys.argv[1], f'{os.getpid()}.pid').touch()\n"
         "time.sleep(600)\n"
     )
-    command = [sys.executable, "-m", "keras_dist._launch._cli", "launch", "--workers", "2"]
-    command += ["--hosts", "127.0.0.1,127.0.0.2", "--host-command", HOST_COMMAND]
-    launcher = subprocess.Popen([*command, str(script), str(tmp_path)])
+    launcher = subprocess.Popen(_on_two_hosts(str(script), str(tmp_path)))
     try:
         deadline = time.monotonic() + 120
         while len(pids := [int(p.stem) for p in tmp_path.glob("*.pid")]) < 2:
@@ -102,6 +101,11 @@ def test_a_task_on_a_host_dies_with_the_launcher_that_started_it(tmp_path):
     while any(_alive(pid) for pid in pids):
         assert time.monotonic() < deadline, f"tasks {pids} outlived their launcher"
         time.sleep(0.1)
+
+
+def _on_two_hosts(*script_and_arguments):
+    hosts = ["--hosts", "127.0.0.1,127.0.0.2", "--host-command", HOST_COMMAND]
+    return [*_LAUNCH, *hosts, *script_and_arguments]
 
 
 def _alive(pid):
@@ -130,9 +134,8 @@ def test_hosts_that_answer_are_not_unreachable():
 def test_the_command_refuses_hosts_that_do_not_fit(tmp_path, arguments, message):
     script = tmp_path / "train.py"
     script.write_text("print('never')\n")
-    command = [sys.executable, "-m", "keras_dist._launch._cli", "launch", "--workers", "2"]
     done = subprocess.run(
-        [*command, *arguments, str(script)], capture_output=True, text=True, timeout=120
+        [*_LAUNCH, *arguments, str(script)], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
@@ -146,9 +149,7 @@ def test_the_command_runs_a_script_on_its_hosts(tmp_path):
         "task = json.loads(os.environ['TF_CONFIG'])['task']\n"
         "print('on', os.environ['KD_ON_HOST'], task['index'])\n"
     )
-    command = [sys.executable, "-m", "keras_dist._launch._cli", "launch", "--workers", "2"]
-    command += ["--hosts", "127.0.0.1,127.0.0.2", "--host-command", HOST_COMMAND, str(script)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(_on_two_hosts(str(script)), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[worker 0] on 127.0.0.1 0" in done.stdout
     assert "[worker 1] on 127.0.0.2 1" in done.stdout

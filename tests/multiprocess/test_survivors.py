@@ -62,6 +62,30 @@ def _task_names(cluster):
     return [f"{job} {i}" for job in ("chief", "worker") for i in range(len(cluster.get(job, [])))]
 
 
+def _lose_one(has_chief, num_workers, victim, signum=None, timeout_seconds=COLLECTIVE_TIMEOUT):
+    """Runs the cluster until it fails; each task's (log, exit code), and all logs as text."""
+    cluster = testing.create_cluster_spec(has_chief=has_chief, num_workers=num_workers)
+    with testing.MultiProcessRunner(
+        _fit_until_one_is_killed,
+        cluster,
+        args=(victim, signum, timeout_seconds),
+        devices_per_worker=1,
+        stream_output=False,
+        dependence_on_chief=False,
+        failure_grace=timeout_seconds + 40,
+        terminate_grace=2,
+    ) as runner:
+        runner.start()
+        with pytest.raises((testing.UnexpectedSubprocessExitError, testing.WorkerError)):
+            runner.join(timeout=TIMEOUT)
+        logs = {}
+        for name in _task_names(cluster):
+            job, index = name.split()
+            logs[name] = (runner.logs(job, int(index)), runner.exit_code(job, int(index)))
+    everything = "\n\n".join(f"===== {name} (exit {c})\n{log}" for name, (log, c) in logs.items())
+    return logs, everything
+
+
 @pytest.mark.parametrize(
     "has_chief, num_workers, victim",
     [
@@ -74,25 +98,7 @@ def _task_names(cluster):
     ],
 )
 def test_every_survivor_names_the_killed_task_and_none_aborts(has_chief, num_workers, victim):
-    cluster = testing.create_cluster_spec(has_chief=has_chief, num_workers=num_workers)
-    with testing.MultiProcessRunner(
-        _fit_until_one_is_killed,
-        cluster,
-        args=(victim,),
-        devices_per_worker=1,
-        stream_output=False,
-        dependence_on_chief=False,
-        failure_grace=COLLECTIVE_TIMEOUT + 30,
-        terminate_grace=2,
-    ) as runner:
-        runner.start()
-        with pytest.raises((testing.UnexpectedSubprocessExitError, testing.WorkerError)):
-            runner.join(timeout=TIMEOUT)
-        logs = {}
-        for name in _task_names(cluster):
-            job, index = name.split()
-            logs[name] = (runner.logs(job, int(index)), runner.exit_code(job, int(index)))
-    everything = "\n\n".join(f"===== {name} (exit {c})\n{log}" for name, (log, c) in logs.items())
+    logs, everything = _lose_one(has_chief, num_workers, victim)
     assert logs[victim][1] == -9, everything  # (SIGKILL)
     for name, (log, code) in logs.items():
         if name == victim:
@@ -115,25 +121,7 @@ def test_every_survivor_names_a_frozen_task_and_none_aborts(has_chief, num_worke
     # machine that hangs; its sockets stay open, so no peer sees a connection drop.
     import signal
 
-    cluster = testing.create_cluster_spec(has_chief=has_chief, num_workers=num_workers)
-    with testing.MultiProcessRunner(
-        _fit_until_one_is_killed,
-        cluster,
-        args=(victim, signal.SIGSTOP, FROZEN_TIMEOUT),
-        devices_per_worker=1,
-        stream_output=False,
-        dependence_on_chief=False,
-        failure_grace=FROZEN_TIMEOUT + 40,
-        terminate_grace=2,
-    ) as runner:
-        runner.start()
-        with pytest.raises((testing.UnexpectedSubprocessExitError, testing.WorkerError)):
-            runner.join(timeout=TIMEOUT)
-        logs = {}
-        for name in _task_names(cluster):
-            job, index = name.split()
-            logs[name] = (runner.logs(job, int(index)), runner.exit_code(job, int(index)))
-    everything = "\n\n".join(f"===== {name} (exit {c})\n{log}" for name, (log, c) in logs.items())
+    logs, everything = _lose_one(has_chief, num_workers, victim, signal.SIGSTOP, FROZEN_TIMEOUT)
     for name, (log, code) in logs.items():
         if name == victim:
             continue

@@ -1,0 +1,37 @@
+"""What an elastic job resumed on 2 of its 3 workers must end with: one device's numbers.
+
+Shared by the elastic tests (``tests/multiprocess/test_elastic_launch.py``: a worker's
+process gone; ``tests/hosts/test_elastic_host_loss.py``: a host's link cut). Their
+workers fit ``model()`` on ``data()`` for ``EPOCHS`` epochs of global batches of
+``BATCH`` with ``BackupAndRestore``; worker 0 saves its first weights (``initial.npy``).
+"""
+
+import numpy as np
+
+EPOCHS, ROWS, BATCH = 4, 96, 12  # 8 steps an epoch
+
+
+def assert_resumed_as_one_device(results, directory, model, data):
+    """``results`` (each worker's ``iterations``, ``epochs``, ``history``, ``final``)
+    resumed at epoch 2 on 2 workers and equal one device's fit from ``initial.npy``."""
+    assert len(results) == 2  # the job finished on 2 workers
+    for result in results:
+        assert result["iterations"] == EPOCHS * (ROWS // BATCH)
+        # The resumed run did epochs 2 and 3 on 2 workers (epochs 0 and 1 had 3).
+        assert result["epochs"] == [2, 3]
+        assert result["history"]["workers"] == [2, 2]
+    np.testing.assert_array_equal(results[0]["final"], results[1]["final"])
+    # One device from the same first weights on the same global batches.
+    flat = np.load(directory / "initial.npy")
+    shapes = [w.shape for w in model.get_weights()]
+    pieces = np.split(flat, np.cumsum([int(np.prod(s)) for s in shapes])[:-1])
+    model.set_weights([w.reshape(s) for w, s in zip(pieces, shapes)])
+    x, y = data
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    expected = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    np.testing.assert_allclose(results[0]["final"], expected, atol=1e-5)
+    # The loss falls to ~3e-5: float32 sums in another order differ by ~1e-9 there.
+    np.testing.assert_allclose(
+        results[0]["history"]["loss"], history.history["loss"][2:], rtol=1e-5, atol=1e-8
+    )
+    assert history.history["loss"][-1] < 0.2 * history.history["loss"][0]
