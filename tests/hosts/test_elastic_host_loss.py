@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from elastic_reference import BATCH
 from elastic_reference import EPOCHS
-from elastic_reference import ROWS
 from elastic_reference import assert_resumed_as_one_device
+from elastic_reference import regression_data
+from elastic_reference import small_model
 
 import keras_dist as kd
 
@@ -39,19 +40,6 @@ CUT_EPOCH, CUT_BATCH = 2, 3
 RECOVERY_BOUND = 150
 
 
-def _model():
-    import keras
-
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    return model
-
-
-def _data():
-    x = np.random.default_rng(1).normal(size=(ROWS, 3)).astype("float32")
-    return x, x @ np.array([[1.0], [-2.0], [0.5]], "float32")
-
-
 def _worker_on_a_host(directory):
     import keras
 
@@ -62,7 +50,7 @@ def _worker_on_a_host(directory):
     task_id = strategy.cluster_resolver.task_id
     keras.utils.set_random_seed(7)
     with strategy.scope():
-        model = _model()
+        model = small_model()
     initial = directory / "initial.npy"
     if task_id == 0 and not initial.exists():
         np.save(initial, np.concatenate([np.ravel(w) for w in model.get_weights()]))
@@ -82,7 +70,7 @@ def _worker_on_a_host(directory):
         def on_epoch_end(self, epoch, logs=None):
             logs["workers"] = strategy.extended.num_workers
 
-    x, y = _data()
+    x, y = regression_data()
     history = model.fit(
         x,
         y,
@@ -140,4 +128,4 @@ def test_an_elastic_job_that_loses_a_host_for_good_goes_on_with_the_rest(tmp_pat
     assert ended - cut[0] < RECOVERY_BOUND
     assert "continuing without that machine, on 2 workers (min 2; restart 1 of 2)" in out
     assert [r["host"] for r in results] == ["host0", "host1"]  # host 2 left out
-    assert_resumed_as_one_device(results, tmp_path, _model(), _data())
+    assert_resumed_as_one_device(results, tmp_path)

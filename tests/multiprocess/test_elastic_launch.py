@@ -15,26 +15,14 @@ import numpy as np
 import pytest
 from elastic_reference import BATCH
 from elastic_reference import EPOCHS
-from elastic_reference import ROWS
 from elastic_reference import assert_resumed_as_one_device
+from elastic_reference import regression_data
+from elastic_reference import small_model
 
 import keras_dist as kd
 from keras_dist._launch._cli import main as cli_main
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
-
-
-def _model():
-    import keras
-
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    return model
-
-
-def _data():
-    x = np.random.default_rng(1).normal(size=(ROWS, 3)).astype("float32")
-    return x, x @ np.array([[1.0], [-2.0], [0.5]], "float32")
 
 
 def _elastic_worker(directory):
@@ -49,7 +37,7 @@ def _elastic_worker(directory):
     )
     keras.utils.set_random_seed(7)
     with strategy.scope():
-        model = _model()
+        model = small_model()
     initial = os.path.join(directory, "initial.npy")
     if strategy.cluster_resolver.task_id == 0 and not os.path.exists(initial):
         np.save(initial, np.concatenate([np.ravel(w) for w in model.get_weights()]))
@@ -68,7 +56,7 @@ def _elastic_worker(directory):
         def on_epoch_end(self, epoch, logs=None):
             logs["workers"] = strategy.extended.num_workers
 
-    x, y = _data()
+    x, y = regression_data()
     history = model.fit(
         x,
         y,
@@ -99,7 +87,7 @@ def test_a_worker_gone_for_good_leaves_the_job_on_two_workers(tmp_path, capsys):
     out = capsys.readouterr().out
     assert len(results) == 2, out  # the job finished on 2 workers
     assert "continuing without that machine, on 2 workers (min 2; restart 2 of 2)" in out
-    assert_resumed_as_one_device(results, tmp_path, _model(), _data())
+    assert_resumed_as_one_device(results, tmp_path)
 
 
 def _machine_2_is_broken():
