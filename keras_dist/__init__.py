@@ -63,7 +63,11 @@ from keras_dist.strategies import Strategy as Strategy  # noqa: E402
 from keras_dist.strategies import StrategyExtended as StrategyExtended  # noqa: E402
 from keras_dist.strategies import TPUStrategy as TPUStrategy  # noqa: E402
 
-_keras.install_hooks(_keras_steps.KERAS_INTEGRATION, _keras_steps.apply_in_replica_context)
+_keras.install_hooks(
+    _keras_steps.KERAS_INTEGRATION,
+    _keras_steps.apply_in_replica_context,
+    callbacks.ModelCheckpoint,
+)
 
 __version__ = "0.1.0"
 

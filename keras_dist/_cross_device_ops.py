@@ -151,7 +151,9 @@ class CrossDeviceOps:
         return [self._reduce_buffer(b, num_replicas) for b in operands]
 
     def _reduce_buffer(self, buffer, num_replicas):
-        raise NotImplementedError
+        # The base class (or a subclass of the user's that overrides nothing) all-reduces
+        # each buffer as one collective, as ``NcclAllReduce`` does.
+        return lax.psum(buffer, AXIS)
 
     def reduce_components(self, placement, reduce_op, stacked_leaves, true_mean=False):
         """Cross-replica reduction of stacked ``(n, ...)`` arrays; results replicated.

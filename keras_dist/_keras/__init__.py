@@ -70,12 +70,18 @@ from keras_dist._keras._variable_hooks import share_variable_state as share_vari
 from keras_dist._keras._variable_hooks import variable_has_value as variable_has_value
 
 
-def install_hooks(training: TrainingIntegration, apply_in_replica_context) -> None:
-    """Installs every hook (once): variables, optimizer, trainer, layers, losses, saving."""
+def install_hooks(
+    training: TrainingIntegration, apply_in_replica_context, chief_checkpoint: type
+) -> None:
+    """Installs every hook (once): variables, optimizer, trainer, layers, losses, saving.
+
+    The arguments come from the packages above this one: the training steps, the
+    optimizer's apply in a replica, and the chief-only ``ModelCheckpoint`` class.
+    """
     check_keras_internals()
     install_variable_hook()
     install_optimizer_hook(apply_in_replica_context)
-    install_trainer_hook(training)
+    install_trainer_hook(training, chief_checkpoint)
     install_layer_hooks()
     install_loss_hooks()
     install_saving_hook()

@@ -83,7 +83,7 @@ def _in_strategy() -> bool:
     return is_strategy_distribution(_context.keras_distribution())
 
 
-def _wrap_loop(original, training):
+def _wrap_loop(original, training, chief_checkpoint):
     """Runs a Keras loop in the model's strategy scope, so variables it creates are distributed."""
 
     signature = inspect.signature(original)
@@ -102,7 +102,7 @@ def _wrap_loop(original, training):
         run = LoopRun(original.__name__, exact_batch_logs=reads_batch_logs(callbacks))
         try:
             if original.__name__ == "fit":
-                _keras_callbacks_across_processes(callbacks, strategy)
+                _keras_callbacks_across_processes(callbacks, strategy, chief_checkpoint)
                 with _fitting_with(self, callbacks):
                     return _run_loop(self, original, training, quiet, run, args, kwargs)
             return _run_loop(self, original, training, quiet, run, args, kwargs)
@@ -116,23 +116,20 @@ def _wrap_loop(original, training):
     return loop
 
 
-def _keras_callbacks_across_processes(callbacks, strategy) -> None:
+def _keras_callbacks_across_processes(callbacks, strategy, chief_checkpoint) -> None:
     """Keras's own file-writing callbacks in a job of several processes, where every
     worker would write the same files and they collide.
 
-    ``ModelCheckpoint`` becomes ``kd.callbacks.ModelCheckpoint`` (its subclass, same
-    state): as tf.keras's, only the chief's file stays (every worker's writes had come
-    out corrupt). ``BackupAndRestore`` is refused: kd's restores every worker from
-    the chief's backup, which Keras's state does not carry.
+    ``ModelCheckpoint`` becomes ``chief_checkpoint`` (``kd.callbacks.ModelCheckpoint``,
+    its subclass, same state): as tf.keras's, only the chief's file stays (every
+    worker's writes had come out corrupt). ``BackupAndRestore`` is refused: kd's
+    restores every worker from the chief's backup, which Keras's state does not carry.
     """
     if strategy is None or not strategy.extended.spans_processes:
         return
-    # (Imported here: the callbacks build on this package.)
-    from keras_dist.callbacks import ModelCheckpoint
-
     for callback in callbacks if isinstance(callbacks, (list, tuple)) else ():
         if type(callback) is keras.callbacks.ModelCheckpoint:
-            callback.__class__ = ModelCheckpoint
+            callback.__class__ = chief_checkpoint
         elif type(callback) is keras.callbacks.BackupAndRestore:
             raise ValueError(
                 "keras.callbacks.BackupAndRestore has every worker write the same backup "
@@ -437,12 +434,17 @@ def compiled_under(model):
     return getattr(model, "_keras_dist_strategy", None)
 
 
-def install_trainer_hook(training: TrainingIntegration) -> None:
-    """Routes the training loops of models created under a strategy through ``training``."""
+def install_trainer_hook(training: TrainingIntegration, chief_checkpoint: type) -> None:
+    """Routes the training loops of models created under a strategy through ``training``.
+
+    ``chief_checkpoint`` is the ``keras.callbacks.ModelCheckpoint`` subclass a Keras
+    one becomes in a job of several processes (``kd.callbacks``, a package above).
+    """
     if getattr(JAXTrainer.fit, "_keras_dist_hook", False):
         return
     for name in _LOOPS:
-        setattr(JAXTrainer, name, _wrap_loop(getattr(JAXTrainer, name), training))
+        loop = _wrap_loop(getattr(JAXTrainer, name), training, chief_checkpoint)
+        setattr(JAXTrainer, name, loop)
     for name, attribute in _STEP_FUNCTIONS:
         setattr(
             JAXTrainer, name, _wrap_make_function(getattr(JAXTrainer, name), attribute, training)

@@ -41,7 +41,6 @@ from keras_dist.parameter_server._data import DirectDataset
 from keras_dist.parameter_server._fit import ParameterServerSteps
 from keras_dist.parameter_server._job import stop_servers_at_exit
 from keras_dist.parameter_server.scheduling._program_cache import ProgramCache
-from keras_dist.parameter_server.scheduling._trace import current_trace
 from keras_dist.parameter_server.tasks._server import Server
 from keras_dist.parameter_server.variables._client import Location
 from keras_dist.parameter_server.variables._client import ParameterServers
@@ -50,6 +49,7 @@ from keras_dist.parameter_server.variables._client import ps_device
 from keras_dist.parameter_server.variables._partitioners import shard_rows
 from keras_dist.parameter_server.variables._ps_variable import PartitionedVariable
 from keras_dist.parameter_server.variables._ps_variable import PSVariable
+from keras_dist.parameter_server.variables._trace import current_trace
 from keras_dist.strategies._extended import StrategyExtended
 from keras_dist.strategies._strategy import Strategy
 

@@ -2,7 +2,7 @@
 
 Every reduction path (``NcclAllReduce``, ``HierarchicalCopyAllReduce`` with 8
 and 1 packs, ``ReductionToOneDevice`` by default, to "/cpu:0", and with a custom
-``accumulation_fn``) is given to ``MirroredStrategy(devices, cross_device_ops=...)``
+``accumulation_fn``, and the ``CrossDeviceOps`` base class) is given to ``MirroredStrategy(devices, cross_device_ops=...)``
 and checked with TF's numbers: replica ``d`` holds ``float(d)``, so MEAN is
 ``(n-1)/2``, SUM is ``MEAN * n``, and inputs ``d+1`` give ``MEAN+1``. Results
 are ``Mirrored`` on the destinations. The same paths are then used inside
@@ -42,6 +42,8 @@ OPS = {
     "DefaultReductionToOneDevice": lambda: kd.ReductionToOneDevice(),
     "ReductionToCPUDevice": lambda: kd.ReductionToOneDevice(reduce_to_device="/cpu:0"),
     "AccumulateNReductionToOneDevice": lambda: kd.ReductionToOneDevice(accumulation_fn=_add_n),
+    # The base class itself (or a user's subclass that overrides nothing): an all-reduce.
+    "CrossDeviceOpsBase": lambda: kd.CrossDeviceOps(),
 }
 
 # A device no replica of the strategy uses (the strategies below use /cpu:0..3).

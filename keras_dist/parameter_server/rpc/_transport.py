@@ -32,7 +32,7 @@ from keras_dist.parameter_server.rpc._auth import cluster_token
 from keras_dist.parameter_server.rpc._auth import tls_channel_credentials
 from keras_dist.parameter_server.rpc._auth import tls_server_credentials
 from keras_dist.parameter_server.rpc._auth import token_from_environment
-from keras_dist.parameter_server.tasks._threads import DaemonThreadPool
+from keras_dist.parameter_server.rpc._threads import DaemonThreadPool
 
 logger = logging.getLogger("keras_dist.ps")
 

@@ -17,12 +17,12 @@ from keras_dist.parameter_server.scheduling._per_worker import PerWorkerDataset
 from keras_dist.parameter_server.scheduling._per_worker import PerWorkerValues
 from keras_dist.parameter_server.scheduling._per_worker import element_spec_of
 from keras_dist.parameter_server.scheduling._remote_value import RemoteValue
-from keras_dist.parameter_server.scheduling._trace import ProgramTrace
-from keras_dist.parameter_server.scheduling._trace import current_worker_index
-from keras_dist.parameter_server.scheduling._trace import on_worker
-from keras_dist.parameter_server.scheduling._trace import tracing
 from keras_dist.parameter_server.scheduling._worker_thread import PsVersions
 from keras_dist.parameter_server.scheduling._worker_thread import WorkerThread
+from keras_dist.parameter_server.variables._trace import ProgramTrace
+from keras_dist.parameter_server.variables._trace import current_worker_index
+from keras_dist.parameter_server.variables._trace import on_worker
+from keras_dist.parameter_server.variables._trace import tracing
 
 PS_PROBE_INTERVAL = 2.0
 PS_STUCK_AFTER = 30.0  # seconds without an answer before a ps task counts as lost

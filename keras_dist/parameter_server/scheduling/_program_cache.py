@@ -39,12 +39,12 @@ from keras_dist.parameter_server.scheduling._per_worker import PerWorkerIterator
 from keras_dist.parameter_server.scheduling._per_worker import PerWorkerValues
 from keras_dist.parameter_server.scheduling._per_worker import TracedIterator
 from keras_dist.parameter_server.scheduling._remote_value import RemoteValue
-from keras_dist.parameter_server.scheduling._trace import ProgramTrace
-from keras_dist.parameter_server.scheduling._trace import tracing
-from keras_dist.parameter_server.scheduling._trace import used_inputs
 from keras_dist.parameter_server.scheduling._update_tracing import GradientRouter
 from keras_dist.parameter_server.scheduling._update_tracing import RoutingScope
 from keras_dist.parameter_server.scheduling._update_tracing import plan_updates
+from keras_dist.parameter_server.variables._trace import ProgramTrace
+from keras_dist.parameter_server.variables._trace import tracing
+from keras_dist.parameter_server.variables._trace import used_inputs
 
 _program_ids = itertools.count()
 

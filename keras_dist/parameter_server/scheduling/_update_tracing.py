@@ -35,9 +35,9 @@ from keras_dist._keras import RecordingScope
 from keras_dist._keras import apply_update
 from keras_dist._keras import clip_gradients
 from keras_dist.parameter_server.rpc import _protocol as protocol
-from keras_dist.parameter_server.scheduling._trace import current_trace
-from keras_dist.parameter_server.scheduling._trace import used_inputs
 from keras_dist.parameter_server.variables._ps_variable import shard_shapes
+from keras_dist.parameter_server.variables._trace import current_trace
+from keras_dist.parameter_server.variables._trace import used_inputs
 
 
 class OptimizerStep(NamedTuple):

@@ -54,24 +54,24 @@ class VariableStore:
 
     def handle(self, header: dict, arrays: list, blob: bytes):
         """Answers one request: ``(header, arrays, blob)``, or an encoded reply (reads)."""
-        op = protocol.check_request(header, "ps").name
-        if op == "ping":
+        op = protocol.check_request(header, "ps")
+        if op is protocol.PING:
             return {"task": self.task_name}, [], b""
-        if op == "create":
+        if op is protocol.CREATE:
             return self._create(header["keys"], arrays, header.get("if_absent", False))
-        if op == "read":
+        if op is protocol.READ:
             return self._read(header["keys"])
-        if op == "update":
+        if op is protocol.UPDATE:
             return self._update(header, arrays)
-        if op == "load_update":
+        if op is protocol.LOAD_UPDATE:
             update = LoadedUpdate(header, blob)
             with self._lock:
                 self._updates.setdefault(header["update_id"], update)
             return {}, [], b""
-        if op == "delete":
+        if op is protocol.DELETE:
             self._delete(set(header["keys"]))
             return {}, [], b""
-        raise AssertionError(f"`{op}` is in the protocol and not served here")
+        raise AssertionError(f"`{op.name}` is in the protocol and not served here")
 
     def _delete(self, keys: set) -> None:
         """Forgets ``keys`` and the optimizer updates that use any of them.

@@ -23,9 +23,9 @@ from keras_dist import errors
 from keras_dist._input import InputContext
 from keras_dist.parameter_server.rpc import _protocol as protocol
 from keras_dist.parameter_server.rpc._transport import error_header
-from keras_dist.parameter_server.scheduling._trace import on_worker
 from keras_dist.parameter_server.variables._client import Location
 from keras_dist.parameter_server.variables._client import ParameterServers
+from keras_dist.parameter_server.variables._trace import on_worker
 
 
 class _LoadedProgram:
@@ -108,27 +108,27 @@ class WorkerService:
             return sorted(self._programs)
 
     def handle(self, header: dict, arrays: list, blob: bytes):
-        op = protocol.check_request(header, "worker").name
-        if op == "ping":
+        op = protocol.check_request(header, "worker")
+        if op is protocol.PING:
             return {"task": self.task_name, "devices": self.num_devices}, [], b""
-        if op == "load":
+        if op is protocol.LOAD:
             program = _LoadedProgram(header, blob)
             with self._lock:
                 self._programs[header["program_id"]] = program
             return {}, [], b""
-        if op == "dataset":
+        if op is protocol.DATASET:
             return self._create_dataset(header, blob)
-        if op == "iterator":
+        if op is protocol.ITERATOR:
             dataset = self._lookup(self._datasets, header["dataset_id"], "dataset")
             with self._lock:
                 # Two runs may be in flight on a worker: one reader at a time.
                 self._iterators[header["iterator_id"]] = (iter(dataset), threading.Lock())
             return {}, [], b""
-        if op == "run":
+        if op is protocol.RUN:
             return self._run(header, arrays)
-        if op == "run_many":
+        if op is protocol.RUN_MANY:
             return self._run_many(header, arrays)
-        raise AssertionError(f"`{op}` is in the protocol and not served here")
+        raise AssertionError(f"`{op.name}` is in the protocol and not served here")
 
     def _lookup(self, table, key, what):
         with self._lock:

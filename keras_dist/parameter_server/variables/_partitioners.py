@@ -34,7 +34,12 @@ class Partitioner:
     """Base class: ``__call__(shape, dtype, axis=0)`` returns partitions per axis."""
 
     def __call__(self, shape, dtype, axis=0):
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__} is a Partitioner without `__call__(shape, dtype, axis=0)`: "
+            "subclass Partitioner and return the number of partitions per axis, or use "
+            "FixedShardsPartitioner, MinSizePartitioner or MaxSizePartitioner. "
+            f"Received: shape={shape}, dtype={dtype}"
+        )
 
 
 class FixedShardsPartitioner(Partitioner):

@@ -21,10 +21,10 @@ from keras_dist._keras import RecordingScope
 from keras_dist._keras import current_scope
 from keras_dist._thread_state import set_for_block
 from keras_dist._values._variables import DistributedVariable
-from keras_dist.parameter_server.scheduling._trace import current_trace
 from keras_dist.parameter_server.variables._client import ps_device
 from keras_dist.parameter_server.variables._sharded import ShardedVariable
 from keras_dist.parameter_server.variables._sharded import lookup_rows
+from keras_dist.parameter_server.variables._trace import current_trace
 
 
 class _ShardShapes(threading.local):

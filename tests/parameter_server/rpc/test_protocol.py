@@ -119,6 +119,28 @@ def test_every_request_is_built_from_the_schema():
     assert [hit for path in modules for hit in _op_literals(path)] == []
 
 
+def _string_dispatch(path: pathlib.Path, relative_to: pathlib.Path = PACKAGE.parent) -> list:
+    """Comparisons with an op's name (``op == "run"``): dispatch outside the schema's ``Op``."""
+    names = set(protocol.OPS)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and any(
+            isinstance(side, ast.Constant) and side.value in names
+            for side in [node.left, *node.comparators]
+        ):
+            found.append(f"{path.relative_to(relative_to)}:{node.lineno}")
+    return found
+
+
+def test_servers_dispatch_on_the_schemas_ops_not_on_strings(tmp_path):
+    wing = PACKAGE / "parameter_server"
+    modules = [p for p in wing.rglob("*.py") if p.name != "_protocol.py"]
+    assert [hit for path in modules for hit in _string_dispatch(path)] == []
+    planted = tmp_path / "planted.py"
+    planted.write_text('def handle(op):\n    if op == "read":\n        return 1\n')
+    assert _string_dispatch(planted, relative_to=tmp_path) == ["planted.py:2"]
+
+
 @pytest.mark.parametrize(
     "second, message",
     [
