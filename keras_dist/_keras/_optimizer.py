@@ -28,7 +28,6 @@ from keras_dist._context import running_replica_context
 from keras_dist._keras._internals import BaseOptimizer
 from keras_dist._keras._internals import JaxOptimizer
 from keras_dist._keras._internals import LossScaleOptimizer
-from keras_dist._keras._internals import get_stateless_scope
 from keras_dist._reduce_op import ReduceOp
 from keras_dist._thread_state import set_for_block
 
@@ -42,7 +41,6 @@ class _Routing(threading.local):
         self.handler = None  # takes an optimizer's gradients instead of updating here
         self.reference = None  # the variable whose slot is being made
         self.unbuilt = None  # told of an optimizer about to build itself in an apply
-        self.merging = False  # the replicas' summed gradients being applied (merge_call)
 
 
 _routing = _Routing()
@@ -95,42 +93,15 @@ def install_optimizer_hook(apply_in_replica_context) -> None:
         _tell_if_unbuilt(self, trainable_variables)
         replica_context = running_replica_context()
         if replica_context is None:
-            _refuse_cross_replica_apply(self)
             return _original_apply(self, grads, trainable_variables)
         return apply_in_replica_context(
-            replica_context, _apply_merged, self, grads, trainable_variables
+            replica_context, _original_apply, self, grads, trainable_variables
         )
 
     apply._keras_dist_hook = True
     BaseOptimizer.apply = apply
     _install_loss_scale_hook()
     _install_gradient_routing()
-
-
-def _apply_merged(optimizer, grads, trainable_variables):
-    """The optimizer's own ``apply`` of the replicas' summed gradients (in ``merge_call``)."""
-    with set_for_block(_routing, "merging", True):
-        return _original_apply(optimizer, grads, trainable_variables)
-
-
-def _refuse_cross_replica_apply(optimizer) -> None:
-    """TF's refusal of ``apply_gradients`` in a strategy's cross-replica context.
-
-    There the gradients are not a replica's, and the optimizer cannot know to sum
-    them: tf.keras raises rather than apply them once per call. Internal applies
-    pass: Keras's ``stateless_apply`` (inside a ``StatelessScope``: ``fit``'s
-    step) and the summed update of ``merge_call`` (which nests
-    ``LossScaleOptimizer``'s inner ``apply``).
-    """
-    if _routing.merging or get_stateless_scope() is not None or not has_strategy():
-        return
-    raise RuntimeError(
-        f"`apply_gradients()` cannot be called in cross-replica context: "
-        f"{type(optimizer).__name__} was called inside `strategy.scope()` but outside "
-        "`strategy.run`, where the gradients are not one replica's. Use "
-        "`strategy.run(step_fn)` to enter replica context and call it in `step_fn` "
-        "(the replicas' gradients are then summed and applied once)."
-    )
 
 
 def _install_gradient_routing() -> None:

@@ -2,9 +2,10 @@
 
 Every reduction path (``NcclAllReduce``, ``HierarchicalCopyAllReduce`` with 8
 and 1 packs, ``ReductionToOneDevice`` by default, to "/cpu:0", and with a custom
-``accumulation_fn``, and the ``CrossDeviceOps`` base class) is given to ``MirroredStrategy(devices, cross_device_ops=...)``
-and checked with TF's numbers: replica ``d`` holds ``float(d)``, so MEAN is
-``(n-1)/2``, SUM is ``MEAN * n``, and inputs ``d+1`` give ``MEAN+1``. Results
+``accumulation_fn``, and the ``CrossDeviceOps`` base class) is given to
+``MirroredStrategy(devices, cross_device_ops=...)`` and checked with TF's numbers:
+replica ``d`` holds ``float(d)``, so MEAN is ``(n-1)/2``, SUM is ``MEAN * n``, and
+inputs ``d+1`` give ``MEAN+1``. Results
 are ``Mirrored`` on the destinations. The same paths are then used inside
 ``strategy.run`` through ``ReplicaContext.all_reduce`` in both engines.
 
