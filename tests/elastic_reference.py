@@ -31,6 +31,29 @@ def regression_data():
     return x, x @ np.array([[1.0], [-2.0], [0.5]], "float32")
 
 
+def fit_with_backup(model, directory, callback) -> dict:
+    """A worker's ``fit`` of ``regression_data()`` with ``kd.callbacks.BackupAndRestore``
+    in ``directory`` and ``callback``; what ``assert_resumed_as_one_device`` reads."""
+    import keras_dist as kd
+
+    x, y = regression_data()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,  # the global batch, whatever the number of workers
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(str(directory) + "/backup"), callback],
+    )
+    return {
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "history": history.history,
+        "epochs": history.epoch,
+        "final": np.concatenate([np.ravel(w) for w in model.get_weights()]),
+    }
+
+
 def assert_resumed_as_one_device(results, directory):
     """``results`` (each worker's ``iterations``, ``epochs``, ``history``, ``final``)
     resumed at epoch 2 on 2 workers and equal one device's fit from ``initial.npy``."""

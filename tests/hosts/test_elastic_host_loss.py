@@ -17,10 +17,8 @@ import time
 import netns_hosts
 import numpy as np
 import pytest
-from elastic_reference import BATCH
-from elastic_reference import EPOCHS
 from elastic_reference import assert_resumed_as_one_device
-from elastic_reference import regression_data
+from elastic_reference import fit_with_backup
 from elastic_reference import small_model
 
 import keras_dist as kd
@@ -70,23 +68,7 @@ def _worker_on_a_host(directory):
         def on_epoch_end(self, epoch, logs=None):
             logs["workers"] = strategy.extended.num_workers
 
-    x, y = regression_data()
-    history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,  # the global batch, whatever the number of workers
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        callbacks=[kd.callbacks.BackupAndRestore(str(directory / "backup")), Pace()],
-    )
-    return {
-        "host": os.uname().nodename,
-        "iterations": int(model.optimizer.iterations.numpy()),
-        "history": history.history,
-        "epochs": history.epoch,
-        "final": np.concatenate([np.ravel(w) for w in model.get_weights()]),
-    }
+    return {"host": os.uname().nodename, **fit_with_backup(model, directory, Pace())}
 
 
 def _cut_when_told(hosts, directory, cut, stop):

@@ -13,10 +13,8 @@ import textwrap
 
 import numpy as np
 import pytest
-from elastic_reference import BATCH
-from elastic_reference import EPOCHS
 from elastic_reference import assert_resumed_as_one_device
-from elastic_reference import regression_data
+from elastic_reference import fit_with_backup
 from elastic_reference import small_model
 
 import keras_dist as kd
@@ -56,22 +54,7 @@ def _elastic_worker(directory):
         def on_epoch_end(self, epoch, logs=None):
             logs["workers"] = strategy.extended.num_workers
 
-    x, y = regression_data()
-    history = model.fit(
-        x,
-        y,
-        batch_size=BATCH,  # the global batch, whatever the number of workers
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-        callbacks=[kd.callbacks.BackupAndRestore(os.path.join(directory, "backup")), Record()],
-    )
-    return {
-        "iterations": int(model.optimizer.iterations.numpy()),
-        "history": history.history,
-        "epochs": history.epoch,
-        "final": np.concatenate([np.ravel(w) for w in model.get_weights()]),
-    }
+    return fit_with_backup(model, directory, Record())
 
 
 def test_a_worker_gone_for_good_leaves_the_job_on_two_workers(tmp_path, capsys):
