@@ -21,6 +21,7 @@ import sys
 
 from keras_dist._launch._bootstrap import pack
 from keras_dist._launch._cluster import task_keys
+from keras_dist.cluster_resolver import ClusterSpec
 
 HOST_PLACEHOLDER = "{host}"
 
@@ -59,17 +60,26 @@ def host_prefixes(cluster_spec, host_command) -> dict:
     >>> host_prefixes({"worker": ["10.0.0.1:2000", "10.0.0.2:2000"]}, "ssh -q {host}")
     {('worker', 0): ['ssh', '-q', '10.0.0.1'], ('worker', 1): ['ssh', '-q', '10.0.0.2']}
     """
-    prefixes = {}
-    for job, index in task_keys(cluster_spec):
-        address = cluster_spec[job][index] if isinstance(cluster_spec, dict) else None
-        if host_command is None or address is None:
-            prefixes[(job, index)] = []
-            continue
-        host = address.rsplit(":", 1)[0]
-        prefixes[(job, index)] = [
-            part.replace(HOST_PLACEHOLDER, host) for part in shlex.split(host_command)
-        ]
-    return prefixes
+    cluster = ClusterSpec(cluster_spec).as_dict()
+    return {
+        (job, index): [] if host_command is None else _prefix(host_command, cluster[job][index])
+        for job, index in task_keys(cluster)
+    }
+
+
+def host_of(address: str) -> str:
+    """The host of a ``host:port`` address.
+
+    >>> host_of("10.0.0.1:2000")
+    '10.0.0.1'
+    """
+    return address.rsplit(":", 1)[0]
+
+
+def _prefix(host_command: str, address: str) -> list:
+    """``host_command``'s words, ``{host}`` standing for ``address``'s host."""
+    host = host_of(address)
+    return [part.replace(HOST_PLACEHOLDER, host) for part in shlex.split(host_command)]
 
 
 def on_host(prefix: list, bootstrap: str, command: list, env: dict) -> list:
@@ -114,12 +124,11 @@ def unreachable_hosts(host_command: str, addresses: list, timeout: float = 3.0) 
     reach it. When half of the hosts or more would be, the network, not a host, is
     broken (two hosts that lost each other cannot tell which is gone): none is named.
     """
-    targets = [address.rsplit(":", 1) for address in addresses]
-    targets = [(host, int(port)) for host, port in targets]
+    targets = [(host_of(address), int(address.rsplit(":", 1)[1])) for address in addresses]
     probes = []
-    for host, _ in targets:
-        prefix = [part.replace(HOST_PLACEHOLDER, host) for part in shlex.split(host_command)]
-        command = [*prefix, sys.executable, "-I", "-S", "-c", _PROBE, json.dumps(targets)]
+    for address in addresses:
+        probe = [sys.executable, "-I", "-S", "-c", _PROBE, json.dumps(targets)]
+        command = [*_prefix(host_command, address), *probe]
         probes.append(
             subprocess.Popen(
                 [*command, str(timeout)],

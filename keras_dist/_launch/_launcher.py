@@ -21,6 +21,7 @@ from keras_dist._launch._cluster import create_cluster_spec
 from keras_dist._launch._errors import UnexpectedSubprocessExitError
 from keras_dist._launch._errors import WorkerError
 from keras_dist._launch._hosts import check_hosts
+from keras_dist._launch._hosts import host_of
 from keras_dist._launch._hosts import unreachable_hosts
 from keras_dist._launch._runner import MultiProcessRunner
 from keras_dist.parameter_server._job import join_job
@@ -244,7 +245,7 @@ def _unreachable_workers(cluster, host_command, kept) -> list:
 
 
 def _unreachable_clause(cluster, kept, lost) -> str:
-    hosts = ", ".join(cluster["worker"][kept.index(m)].rsplit(":", 1)[0] for m in lost)
+    hosts = ", ".join(host_of(cluster["worker"][kept.index(m)]) for m in lost)
     return f"; the other hosts cannot reach {hosts}"
 
 
